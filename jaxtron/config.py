@@ -1,0 +1,375 @@
+"""The one typed configuration tree: model, parallel, optim, data, train, checkpoint, logging.
+
+Parsing and merging (YAML presets plus dotted command-line overrides such as ``parallel.tensor=8``) is done
+by OmegaConf against the dataclass schema below, so unknown keys and wrong types are rejected with the full
+dotted name of the field. Cross-field checks (heads divisible by the tensor axis, batch divisible by the
+data-parallel size, ...) live in :func:`validate` and raise :class:`ConfigError`, whose message starts with
+the field it is about.
+
+    cfg = jaxtron.config.load("configs/llama3_8b.yaml", ["parallel.tensor=8", "train.steps=100"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEFAULT_PRESET = "tiny"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``str(err)`` is one line that starts with the field name."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def _f(default: Any = dataclasses.MISSING, doc: str = "", factory: Any = None):
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class RopeScalingConfig:
+    type: str = _f("none", "'none' or 'llama3' (Llama-3.1 frequency-dependent scaling).")
+    factor: float = _f(8.0, "llama3: how much the context is stretched.")
+    low_freq_factor: float = _f(1.0, "llama3: wavelengths above original_max/low_freq_factor are scaled fully.")
+    high_freq_factor: float = _f(4.0, "llama3: wavelengths below original_max/high_freq_factor are kept.")
+    original_max_position_embeddings: int = _f(8192, "llama3: the context length the model was trained with.")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = _f(256, "Vocabulary size (rows of the embedding table).")
+    hidden_size: int = _f(256, "Model width d_model.")
+    num_layers: int = _f(4, "Number of decoder blocks (stacked and scanned).")
+    num_heads: int = _f(4, "Query heads.")
+    num_kv_heads: int = _f(2, "Key/value heads (GQA: num_heads % num_kv_heads == 0; 1 = MQA).")
+    head_dim: Optional[int] = _f(None, "Per-head width; default hidden_size // num_heads.")
+    intermediate_size: int = _f(512, "SwiGLU hidden width (ffn_hidden_size).")
+    rope_theta: float = _f(10000.0, "RoPE base frequency.")
+    rope_scaling: RopeScalingConfig = _f(doc="RoPE frequency scaling.", factory=RopeScalingConfig)
+    rms_norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
+    tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
+    qkv_bias: bool = _f(False, "Bias on the Q/K/V projections (Qwen2).")
+    initializer_range: float = _f(0.02, "Std of the normal init; output projections use std/sqrt(2*num_layers).")
+    attention: str = _f("xla", "Attention implementation: 'xla' (reference, any device) or 'cudnn' (GPU).")
+    remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
+    dtype: str = _f("auto", "Compute dtype for matmuls and activations; 'auto': bfloat16 on GPU/TPU, float32 on "
+                            "CPU (where bf16 matmuls are emulated and slower).")
+    param_dtype: str = _f("float32", "Master weight dtype (optimizer state follows it).")
+
+
+@dataclass
+class ParallelConfig:
+    data: int = _f(-1, "Data-parallel size (replicated params). -1: all devices the other axes leave.")
+    fsdp: int = _f(1, "FSDP / ZeRO-3 size: params, grads and optimizer state sharded, batch split.")
+    tensor: int = _f(1, "Megatron tensor-parallel size (heads, MLP and vocab split).")
+    stage: int = _f(1, "Pipeline stages (reserved; must be 1 until pipeline parallelism lands).")
+    sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-3, "Peak learning rate.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr.")
+    schedule: str = _f("cosine", "'cosine' (warmup + cosine), 'linear' (warmup + linear), 'wsd' or 'constant'.")
+    warmup_steps: int = _f(20, "Linear warmup steps from 0.")
+    decay_steps: Optional[int] = _f(None, "Steps of the decay phase; default train.steps - warmup_steps "
+                                          "(wsd: default 20% of train.steps).")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to norms and biases).")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    z_loss: float = _f(0.0, "Coefficient of the z-loss (logsumexp^2) added to the loss.")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("builtin", "'builtin': this Python installation's standard-library sources (no download).")
+    tokenizer: str = _f("byte", "'byte': byte-level (vocab 256, token 0 = end of document).")
+    seq_len: int = _f(256, "Tokens per training sequence.")
+    valid_fraction: float = _f(0.02, "Fraction of documents held out for evaluation.")
+    max_corpus_bytes: int = _f(16 * 2**20, "builtin: read at most this many bytes of sources.")
+    reset_at_eod: bool = _f(False, "Restart positions and block attention at end-of-document tokens.")
+    eod_mask_loss: bool = _f(False, "Do not train on predicting the end-of-document token.")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(200, "Optimizer steps to run.")
+    seed: int = _f(0, "Seed for parameter init and data order.")
+    output_dir: str = _f("runs/default", "Where metrics.jsonl, TensorBoard events and the resolved config go.")
+    global_batch_size: int = _f(8, "Sequences per optimizer step.")
+    micro_batch_size: int = _f(8, "Sequences per micro batch per data-parallel replica (data*fsdp); "
+                                     "gradient accumulation steps = global / (micro * dp).")
+    eval_every: int = _f(100, "Evaluate on held-out data every N steps (0: only at the end).")
+    eval_batches: int = _f(4, "Batches of global_batch_size per evaluation.")
+    peak_tflops: Optional[float] = _f(None, "Peak dense bf16 TFLOP/s per device for MFU; default from the "
+                                            "known-GPU table, none on CPU.")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = _f(None, "Checkpoint directory; default <train.output_dir>/checkpoints.")
+    every_steps: int = _f(0, "Save every N steps (0: never). Checkpointing lands with the checkpoint issue.")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = _f(10, "Log metrics every N steps.")
+    tensorboard: bool = _f(True, "Write TensorBoard events to <train.output_dir>/tensorboard.")
+    progress: bool = _f(True, "Show a progress bar on the terminal.")
+    level: str = _f("INFO", "Python logging level.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _f(doc="The network.", factory=ModelConfig)
+    parallel: ParallelConfig = _f(doc="Device mesh sizes and sharding switches.", factory=ParallelConfig)
+    optim: OptimConfig = _f(doc="Optimizer and learning-rate schedule.", factory=OptimConfig)
+    data: DataConfig = _f(doc="Training data.", factory=DataConfig)
+    train: TrainConfig = _f(doc="The training run.", factory=TrainConfig)
+    checkpoint: CheckpointConfig = _f(doc="Checkpoints.", factory=CheckpointConfig)
+    logging: LoggingConfig = _f(doc="Metrics and terminal output.", factory=LoggingConfig)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _omegaconf_error(err: OmegaConfBaseException, origin: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "config"
+    msg = str(getattr(err, "msg", None) or err).splitlines()[0]
+    if "not in" in msg and "Key" in msg:
+        msg = "unknown field"
+    return ConfigError(key, f"{msg} (from {origin})")
+
+
+def preset_path(name_or_path: str) -> str:
+    """A preset name ('tiny', 'llama3_8b') or a path to a YAML file."""
+    if os.path.exists(name_or_path):
+        return name_or_path
+    candidate = os.path.join(CONFIG_DIR, f"{name_or_path}.yaml")
+    if os.path.exists(candidate):
+        return candidate
+    raise ConfigError("--config", f"no such file or preset: {name_or_path!r}")
+
+
+def load(path: Optional[str] = None, overrides: Sequence[str] = (), validate_config: bool = True) -> Config:
+    """Load a config: dataclass defaults <- YAML file <- dotted overrides.
+
+    The dataclass defaults are the ``tiny`` preset (configs/tiny.yaml spells them out), so ``load()``
+    works from an installed package with no configs/ folder."""
+    schema = OmegaConf.structured(Config)
+    raw: Any = {}
+    if path is not None:
+        path = preset_path(path)
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError("--config", f"cannot read {path}: {str(err).splitlines()[0]}") from None
+    else:
+        path = "defaults"
+    if not isinstance(raw, dict):
+        raise ConfigError("--config", f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    merged = schema
+    try:
+        merged = OmegaConf.merge(merged, OmegaConf.create(raw))
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, path) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, "an override must look like section.field=value")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as err:
+            raise _omegaconf_error(err, f"override {item!r}") from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, path) from None
+    if validate_config:
+        validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def from_dict(d: dict) -> Config:
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(d)))
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, "dict") from None
+
+
+def fields_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, doc) for every leaf field, for ``--help`` and the docs."""
+    rows = []
+    inst = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(inst, f.name)
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            rows.extend(fields_help(type(value), name + "."))
+        else:
+            rows.append((name, repr(value), f.metadata.get("doc", "")))
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- validation
+
+ATTENTION_IMPLS = ("xla", "cudnn")
+REMAT_POLICIES = ("none", "full", "save_dots")
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+DTYPES = ("float32", "bfloat16", "float16")
+MESH_AXES = ("data", "fsdp", "tensor", "stage")
+
+
+def compute_dtype(m: ModelConfig) -> str:
+    """The resolved compute dtype name ('auto' -> bfloat16 on accelerators, float32 on CPU)."""
+    if m.dtype != "auto":
+        return m.dtype
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
+
+
+def _check(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(field_name, message)
+
+
+def _positive(obj: Any, section: str, names: Sequence[str]) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _check(v is not None and v > 0, f"{section}.{n}", f"must be > 0, got {v}")
+
+
+def validate(cfg: Config) -> Config:
+    """Checks that need no devices. Raises ConfigError naming the first bad field."""
+    m, p, o, d, t = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.train
+    _positive(m, "model", ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                           "intermediate_size", "rope_theta", "rms_norm_eps"])
+    _check(m.head_dim is None or m.head_dim > 0, "model.head_dim", f"must be > 0, got {m.head_dim}")
+    _check(m.head_dim is not None or m.hidden_size % m.num_heads == 0, "model.hidden_size",
+           f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}; set model.head_dim")
+    _check(head_dim(m) % 2 == 0, "model.head_dim", f"must be even for RoPE, got {head_dim(m)}")
+    _check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
+           f"model.num_heads={m.num_heads} is not divisible by num_kv_heads={m.num_kv_heads}")
+    _check(m.attention in ATTENTION_IMPLS, "model.attention",
+           f"{m.attention!r} is not one of {ATTENTION_IMPLS} ('pallas' comes with the kernels issue)")
+    _check(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")
+    _check(m.dtype in DTYPES + ("auto",), "model.dtype", f"{m.dtype!r} is not one of {DTYPES + ('auto',)}")
+    _check(m.param_dtype in DTYPES, "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES}")
+    _check(m.rope_scaling.type in ("none", "llama3"), "model.rope_scaling.type",
+           f"{m.rope_scaling.type!r} is not one of ('none', 'llama3')")
+    if m.rope_scaling.type == "llama3":
+        rs = m.rope_scaling
+        _positive(rs, "model.rope_scaling", ["factor", "low_freq_factor", "high_freq_factor",
+                                             "original_max_position_embeddings"])
+        _check(rs.high_freq_factor > rs.low_freq_factor, "model.rope_scaling.high_freq_factor",
+               f"must be > low_freq_factor ({rs.low_freq_factor}), got {rs.high_freq_factor}")
+
+    for axis in MESH_AXES:
+        v = getattr(p, axis)
+        _check(v == -1 or v >= 1, f"parallel.{axis}", f"must be >= 1 (or -1 to fill), got {v}")
+    _check(sum(getattr(p, a) == -1 for a in MESH_AXES) <= 1, "parallel",
+           "at most one of data/fsdp/tensor/stage may be -1")
+    _check(p.stage == 1, "parallel.stage", f"pipeline parallelism is not available yet; must be 1, got {p.stage}")
+    if p.tensor > 0:
+        _check(m.num_heads % p.tensor == 0, "parallel.tensor",
+               f"model.num_heads={m.num_heads} is not divisible by tensor={p.tensor}")
+        _check(m.num_kv_heads % p.tensor == 0, "parallel.tensor",
+               f"model.num_kv_heads={m.num_kv_heads} is not divisible by tensor={p.tensor}")
+        _check(m.intermediate_size % p.tensor == 0, "parallel.tensor",
+               f"model.intermediate_size={m.intermediate_size} is not divisible by tensor={p.tensor}")
+        if p.sequence_parallel:
+            _check(d.seq_len % p.tensor == 0, "data.seq_len",
+                   f"{d.seq_len} is not divisible by parallel.tensor={p.tensor} (sequence_parallel)")
+
+    _positive(o, "optim", ["lr"])
+    _check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _check(o.schedule in SCHEDULES, "optim.schedule", f"{o.schedule!r} is not one of {SCHEDULES}")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _check(o.decay_steps is None or o.decay_steps >= 0, "optim.decay_steps", f"must be >= 0, got {o.decay_steps}")
+    _check(0.0 <= o.beta1 < 1.0, "optim.beta1", f"must be in [0, 1), got {o.beta1}")
+    _check(0.0 <= o.beta2 < 1.0, "optim.beta2", f"must be in [0, 1), got {o.beta2}")
+    _check(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _check(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {o.grad_clip}")
+    _check(o.z_loss >= 0, "optim.z_loss", f"must be >= 0, got {o.z_loss}")
+
+    _check(d.source == "builtin", "data.source", f"{d.source!r} is not supported yet (only 'builtin')")
+    _check(d.tokenizer == "byte", "data.tokenizer", f"{d.tokenizer!r} is not supported yet (only 'byte')")
+    _positive(d, "data", ["seq_len", "max_corpus_bytes"])
+    _check(0.0 < d.valid_fraction < 1.0, "data.valid_fraction", f"must be in (0, 1), got {d.valid_fraction}")
+    if d.tokenizer == "byte":
+        _check(m.vocab_size >= 256, "model.vocab_size", f"the byte tokenizer needs >= 256, got {m.vocab_size}")
+
+    _positive(t, "train", ["steps", "global_batch_size", "micro_batch_size", "eval_batches"])
+    _check(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
+    _check(t.peak_tflops is None or t.peak_tflops > 0, "train.peak_tflops", f"must be > 0, got {t.peak_tflops}")
+    _check(bool(t.output_dir), "train.output_dir", "must not be empty")
+    dp = (max(p.data, 1)) * (max(p.fsdp, 1))
+    _check(t.global_batch_size % (t.micro_batch_size * dp) == 0 if -1 not in (p.data, p.fsdp) else True,
+           "train.global_batch_size",
+           f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
+           f"data-parallel size (data*fsdp = {dp})")
+    _check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
+    _check(cfg.checkpoint.every_steps == 0, "checkpoint.every_steps",
+           "checkpointing is not available yet (it lands with the checkpoint issue); must be 0")
+    _positive(cfg.logging, "logging", ["log_every"])
+    _check(cfg.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level",
+           f"{cfg.logging.level!r} is not a logging level")
+    return cfg
+
+
+def resolve_mesh_shape(p: ParallelConfig, num_devices: int) -> dict[str, int]:
+    """Fill a -1 axis and check that the mesh covers exactly ``num_devices`` devices."""
+    sizes = {a: getattr(p, a) for a in MESH_AXES}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    fill = [a for a, v in sizes.items() if v == -1]
+    if fill:
+        _check(num_devices % fixed == 0, f"parallel.{fill[0]}",
+               f"cannot fill: {num_devices} devices are not divisible by the other axes' product {fixed}")
+        sizes[fill[0]] = num_devices // fixed
+    total = math.prod(sizes.values())
+    _check(total == num_devices, "parallel",
+           f"mesh data*fsdp*tensor*stage = {'*'.join(str(sizes[a]) for a in MESH_AXES)} = {total} "
+           f"does not match the {num_devices} available devices")
+    return sizes
+
+
+def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
+    """Device-dependent checks (mesh size, batch divisibility); returns the resolved mesh shape."""
+    sizes = resolve_mesh_shape(cfg.parallel, num_devices)
+    t, m = cfg.train, cfg.model
+    dp = sizes["data"] * sizes["fsdp"]
+    _check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
+           f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
+           f"data-parallel size (data*fsdp = {dp})")
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        _check(getattr(m, name) % sizes["tensor"] == 0, "parallel.tensor",
+               f"model.{name}={getattr(m, name)} is not divisible by tensor={sizes['tensor']}")
+    return sizes

@@ -1,0 +1,49 @@
+"""Attention dispatch: 'xla' (plain jnp reference, any device) or 'cudnn' (jax.nn.dot_product_attention).
+
+q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; causal; ``segment_ids``
+[batch, seq] (equal ids attend to each other: packed documents) or None. Softmax statistics are fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+
+def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    qg = q.reshape(b, s, kvh, g, d)  # GQA without repeating K/V
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))[None, None, None]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = mask & same[:, None, None]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, s, h, d).astype(q.dtype)
+
+
+def cudnn_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
+    mask = None
+    if segment_ids is not None:  # cuDNN has no segment ids: a dense mask is correct but slower
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+                                        implementation="cudnn")
+
+
+IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention}
+
+
+def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: Optional[float] = None):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"model.attention: unknown implementation {implementation!r}; "
+                         f"choose from {tuple(IMPLEMENTATIONS)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return IMPLEMENTATIONS[implementation](q, k, v, segment_ids, scale)

@@ -1,0 +1,93 @@
+"""Llama 2/3 and Qwen2: embed -> scan(decoder block) -> norm -> LM head.
+
+    model = Llama(cfg.model, rngs=nnx.Rngs(0))
+    logits = model(tokens)                       # [batch, seq, vocab], fp32
+    logits = model(tokens, positions, segment_ids)  # packed documents
+
+The decoder blocks are created stacked (a leading ``layers`` axis on every block weight) and run with
+``jax.lax.scan``, so compile time does not grow with depth; the remat policy wraps the scanned block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config import ModelConfig, compute_dtype
+from jaxtron.model.layers import Attention, RMSNorm, SwiGLU, param, rope_frequencies
+from jaxtron.parallel.sharding import constrain
+
+RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderBlock(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        self.attention = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        self.mlp = SwiGLU(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids, inv_freq):
+        x = x + self.attention(self.attn_norm(x), positions, segment_ids, inv_freq)
+        x = constrain(x, RESIDUAL)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, RESIDUAL)
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderBlock:
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers,
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs) -> DecoderBlock:
+        return DecoderBlock(cfg, rngs=rngs)
+
+    return create(rngs)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = jnp.dtype(cfg.param_dtype)
+        # Sharding is applied by jaxtron.parallel from the logical names, never eagerly here.
+        with nnx.use_eager_sharding(False):
+            self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                               cfg.initializer_range, pd)
+            self.layers = _stacked_blocks(cfg, rngs)
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+            if not cfg.tie_embeddings:
+                self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                     cfg.initializer_range, pd)
+
+    def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        cfg = self.cfg
+        dt = jnp.dtype(compute_dtype(cfg))
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x = constrain(x, RESIDUAL)
+        inv_freq = rope_frequencies(cfg)
+
+        graphdef, state = nnx.split(self.layers)
+
+        def block(carry, layer_state):
+            layer = nnx.merge(graphdef, layer_state)
+            return layer(carry, positions, segment_ids, inv_freq), None
+
+        if cfg.remat != "none":
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(block, x, state)
+
+        x = self.final_norm(x)
+        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))

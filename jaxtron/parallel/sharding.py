@@ -1,0 +1,77 @@
+"""Logical names -> shardings, and the activation constraint the model calls at block boundaries."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Optional, Sequence
+
+import jax
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def use_rules(rules: Sequence[tuple[str, Any]], mesh: Optional[Mesh] = None) -> Iterator[None]:
+    """Make ``rules`` (and ``mesh``) what :func:`constrain` uses while tracing the model.
+
+    Without ``mesh``, the mesh set by ``jax.set_mesh`` is used."""
+    prev = getattr(_STATE, "ctx", None)
+    _STATE.ctx = (tuple(rules), mesh)
+    try:
+        with nnx.logical_axis_rules(tuple(rules)):
+            yield
+    finally:
+        _STATE.ctx = prev
+
+
+def current_rules() -> Optional[tuple]:
+    ctx = getattr(_STATE, "ctx", None)
+    return ctx[0] if ctx else None
+
+
+def logical_to_spec(names: Sequence[Optional[str]], rules: Sequence[tuple[str, Any]]) -> PartitionSpec:
+    return nn.logical_to_mesh_axes(tuple(names), tuple(rules))
+
+
+def logical_to_sharding(names: Sequence[Optional[str]], mesh: Mesh, rules) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, rules))
+
+
+def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
+    """Constrain an activation's sharding by logical axis names; a no-op outside a mesh + rules context."""
+    ctx = getattr(_STATE, "ctx", None)
+    if ctx is None:
+        return x
+    rules, mesh = ctx
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
+    spec = logical_to_spec(names, rules)
+    if mesh is not None:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract is None or abstract.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_names(abstract_state: nnx.State) -> dict:
+    """Pure dict (the layout of ``state.to_pure_dict()``) of each Variable's logical axis names."""
+    def names(v):
+        n = v.get_metadata().get("out_sharding")
+        return PartitionSpec(*n) if n is not None else PartitionSpec()
+
+    return jax.tree.map(names, abstract_state, is_leaf=_is_variable).to_pure_dict()
+
+
+def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules) -> dict:
+    """Pure dict of NamedShardings for an nnx State whose Variables carry ``out_sharding`` logical names."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_spec(tuple(spec), rules)),
+                        logical_names(abstract_state), is_leaf=lambda x: isinstance(x, PartitionSpec))

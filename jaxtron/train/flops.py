@@ -1,0 +1,49 @@
+"""Model FLOPs and MFU, following Megatron-LM's ``num_floating_point_operations`` (GQA + SwiGLU).
+
+Per token, forward, counting a multiply-add as 2 FLOPs (matmuls only, as Megatron does):
+
+    QKV projections   2 * d * (h + 2 * kv) * hd
+    scores and AV     2 * 2 * s * h * hd       (x 1/2 under the 'causal' convention)
+    output projection 2 * h * hd * d
+    SwiGLU MLP        2 * 3 * d * ffn
+    logits            2 * d * vocab
+
+per layer except the logits, and training = 3 x forward. Two conventions for causal attention:
+``full`` counts the s^2 term whole (Megatron's published tables, NeMo's 62.5% MFU figure) and ``causal``
+halves it (Megatron's code today). jaxtron reports MFU under both.
+"""
+
+from __future__ import annotations
+
+from jaxtron.config import ModelConfig, head_dim
+
+# Dense bf16 peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
+PEAK_TFLOPS = {
+    "h100": 989.0,   # H100 SXM
+    "h200": 989.0,
+    "h100 pcie": 756.0,
+    "a100": 312.0,
+    "l40s": 362.0,
+    "b200": 2250.0,
+    "gh200": 989.0,
+}
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, causal_convention: str = "full") -> float:
+    """Training FLOPs (forward + backward) per token."""
+    if causal_convention not in ("full", "causal"):
+        raise ValueError(f"causal_convention must be 'full' or 'causal', got {causal_convention!r}")
+    d, h, kv, hd, f, v = (m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size,
+                          m.vocab_size)
+    attn_scores = 2 * 2 * seq_len * h * hd * (0.5 if causal_convention == "causal" else 1.0)
+    per_layer = 2 * d * (h + 2 * kv) * hd + attn_scores + 2 * h * hd * d + 2 * 3 * d * f
+    return 3.0 * (m.num_layers * per_layer + 2 * d * v)
+
+
+def device_peak_tflops(device_kind: str) -> float | None:
+    kind = device_kind.lower()
+    best = None
+    for name, peak in PEAK_TFLOPS.items():
+        if name in kind and (best is None or len(name) > len(best[0])):
+            best = (name, peak)
+    return best[1] if best else None

@@ -1,0 +1,18 @@
+"""Next-token cross entropy in fp32 with a loss mask, plus the optional z-loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy_sums(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, z_loss: float = 0.0):
+    """Sums over unmasked tokens: (cross entropy, z-loss term, token count). Divide by the count outside,
+    so that gradient accumulation over micro batches equals one big batch exactly."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    mask = loss_mask.astype(jnp.float32)
+    ce = jnp.sum((lse - target_logit) * mask)
+    z = jnp.sum(z_loss * jnp.square(lse) * mask) if z_loss else jnp.zeros((), jnp.float32)
+    return ce, z, jnp.sum(mask)
