@@ -112,8 +112,9 @@ class TrainConfig:
     seed: int = _f(0, "Seed for parameter init and data order.")
     output_dir: str = _f("runs/default", "Where metrics.jsonl, TensorBoard events and the resolved config go.")
     global_batch_size: int = _f(8, "Sequences per optimizer step.")
-    micro_batch_size: int = _f(8, "Sequences per micro batch per data-parallel replica (data*fsdp); "
-                                     "gradient accumulation steps = global / (micro * dp).")
+    micro_batch_size: Optional[int] = _f(None, "Sequences per micro batch per data-parallel replica (data*fsdp);"
+                                               " gradient accumulation steps = global / (micro * dp). Default: "
+                                               "global / dp (no accumulation).")
     eval_every: int = _f(100, "Evaluate on held-out data every N steps (0: only at the end).")
     eval_batches: int = _f(4, "Batches of global_batch_size per evaluation.")
     peak_tflops: Optional[float] = _f(None, "Peak dense bf16 TFLOP/s per device for MFU; default from the "
@@ -327,15 +328,14 @@ def validate(cfg: Config) -> Config:
     if d.tokenizer == "byte":
         _check(m.vocab_size >= 256, "model.vocab_size", f"the byte tokenizer needs >= 256, got {m.vocab_size}")
 
-    _positive(t, "train", ["steps", "global_batch_size", "micro_batch_size", "eval_batches"])
+    _positive(t, "train", ["steps", "global_batch_size", "eval_batches"])
+    _check(t.micro_batch_size is None or t.micro_batch_size > 0, "train.micro_batch_size",
+           f"must be > 0, got {t.micro_batch_size}")
     _check(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
     _check(t.peak_tflops is None or t.peak_tflops > 0, "train.peak_tflops", f"must be > 0, got {t.peak_tflops}")
     _check(bool(t.output_dir), "train.output_dir", "must not be empty")
-    dp = (max(p.data, 1)) * (max(p.fsdp, 1))
-    _check(t.global_batch_size % (t.micro_batch_size * dp) == 0 if -1 not in (p.data, p.fsdp) else True,
-           "train.global_batch_size",
-           f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
-           f"data-parallel size (data*fsdp = {dp})")
+    if -1 not in (p.data, p.fsdp):
+        _check_batch(t, p.data * p.fsdp)
     _check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     _check(cfg.checkpoint.every_steps == 0, "checkpoint.every_steps",
            "checkpointing is not available yet (it lands with the checkpoint issue); must be 0")
@@ -343,6 +343,21 @@ def validate(cfg: Config) -> Config:
     _check(cfg.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level",
            f"{cfg.logging.level!r} is not a logging level")
     return cfg
+
+
+def _check_batch(t: TrainConfig, dp: int) -> None:
+    if t.micro_batch_size is None:
+        _check(t.global_batch_size % dp == 0, "train.global_batch_size",
+               f"{t.global_batch_size} is not divisible by the data-parallel size (data*fsdp = {dp})")
+    else:
+        _check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
+               f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
+               f"data-parallel size (data*fsdp = {dp})")
+
+
+def micro_batch_size(t: TrainConfig, dp: int) -> int:
+    """Sequences per micro batch per data-parallel replica (resolving the default)."""
+    return t.micro_batch_size if t.micro_batch_size is not None else t.global_batch_size // dp
 
 
 def resolve_mesh_shape(p: ParallelConfig, num_devices: int) -> dict[str, int]:
@@ -361,14 +376,14 @@ def resolve_mesh_shape(p: ParallelConfig, num_devices: int) -> dict[str, int]:
     return sizes
 
 
-def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
-    """Device-dependent checks (mesh size, batch divisibility); returns the resolved mesh shape."""
+def validate_for_devices(cfg: Config, num_devices: int, platform: Optional[str] = None) -> dict[str, int]:
+    """Device-dependent checks (mesh size, batch divisibility, GPU-only choices); returns the mesh shape."""
+    if platform is not None and cfg.model.attention == "cudnn":
+        _check(platform in ("gpu", "cuda"), "model.attention",
+               f"'cudnn' needs an NVIDIA GPU; the devices here are {platform!r} (use model.attention=xla)")
     sizes = resolve_mesh_shape(cfg.parallel, num_devices)
     t, m = cfg.train, cfg.model
-    dp = sizes["data"] * sizes["fsdp"]
-    _check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
-           f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
-           f"data-parallel size (data*fsdp = {dp})")
+    _check_batch(t, sizes["data"] * sizes["fsdp"])
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
         _check(getattr(m, name) % sizes["tensor"] == 0, "parallel.tensor",
                f"model.{name}={getattr(m, name)} is not divisible by tensor={sizes['tensor']}")

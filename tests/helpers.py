@@ -9,7 +9,7 @@ from jaxtron import config as config_lib
 TINY = [
     "model.vocab_size=256", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=8",
     "model.num_kv_heads=4", "model.intermediate_size=128", "model.dtype=float32", "data.seq_len=16",
-    "train.global_batch_size=8", "train.micro_batch_size=1", "optim.warmup_steps=1", "train.steps=3",
+    "train.global_batch_size=8", "optim.warmup_steps=1", "train.steps=3",
     "logging.progress=false", "logging.tensorboard=false",
 ]
 

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
         cfg = config_lib.load(args.config, args.overrides)
         from jaxtron.train.loop import run  # imports jax: after the config is known to be good
         import jax
-        config_lib.validate_for_devices(cfg, jax.device_count())
+        config_lib.validate_for_devices(cfg, jax.device_count(), jax.devices()[0].platform)
     except config_lib.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

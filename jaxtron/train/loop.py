@@ -20,7 +20,7 @@ from jaxtron.train.flops import device_peak_tflops, flops_per_token
 from jaxtron.train.metrics import MetricsWriter
 from jaxtron.train.optimizer import make_optimizer
 from jaxtron.train.state import init_train_state
-from jaxtron.train.step import batch_sharding, make_eval_step, make_train_step
+from jaxtron.train.step import accumulation_steps, batch_sharding, make_eval_step, make_train_step
 
 log = logging.getLogger("jaxtron")
 
@@ -46,7 +46,7 @@ class Run:
     def __init__(self, cfg: Config, devices=None):
         self.cfg = cfg
         devices = list(devices if devices is not None else jax.devices())
-        self.mesh_shape = config_lib.validate_for_devices(cfg, len(devices))
+        self.mesh_shape = config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
         self.mesh = build_mesh(cfg.parallel, devices)
         self.rules = logical_rules(cfg.parallel)
         self.dp = self.mesh_shape["data"] * self.mesh_shape["fsdp"]
@@ -143,6 +143,5 @@ def run(cfg: Config) -> RunResult:
     r = Run(cfg)
     log.info("model: %.2fM params; %d steps of %d x %d tokens; grad accumulation %d",
              sum(np.prod(x.shape) for x in jax.tree.leaves(r.state["params"])) / 1e6, cfg.train.steps,
-             cfg.train.global_batch_size, cfg.data.seq_len,
-             cfg.train.global_batch_size // (cfg.train.micro_batch_size * r.dp))
+             cfg.train.global_batch_size, cfg.data.seq_len, accumulation_steps(cfg, r.dp))
     return r.train()

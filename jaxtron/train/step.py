@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtron.config import Config
+from jaxtron.config import Config, micro_batch_size
 from jaxtron.parallel.sharding import constrain, logical_to_spec, use_rules
 from jaxtron.train.loss import cross_entropy_sums
 from jaxtron.train.state import ModelSpec
@@ -24,7 +24,7 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
 
 
 def accumulation_steps(cfg: Config, dp: int) -> int:
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    return cfg.train.global_batch_size // (micro_batch_size(cfg.train, dp) * dp)
 
 
 def _split_micro(batch: dict, accum: int) -> dict:

@@ -1,0 +1,15 @@
+"""Checkpoint format conversion.
+
+:mod:`jaxtron.convert.hf` reads and writes Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
+folders (config.json + safetensors)."""
+
+from jaxtron.convert.hf import (
+    config_from_hf,
+    config_to_hf,
+    load,
+    params_from_hf,
+    params_to_hf,
+    save,
+)
+
+__all__ = ["config_from_hf", "config_to_hf", "load", "params_from_hf", "params_to_hf", "save"]

@@ -1,0 +1,92 @@
+"""Config loading, overrides, presets, and one clear line naming the field for bad values."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxtron import config as config_lib
+from jaxtron.train.__main__ import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+
+
+def test_tiny_yaml_is_the_default():
+    assert config_lib.load(os.path.join(REPO, "configs", "tiny.yaml")) == config_lib.load()
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
+def test_every_preset_loads_and_validates(path):
+    cfg = config_lib.load(path)
+    assert isinstance(cfg, config_lib.Config)
+    assert cfg.model.num_heads % cfg.model.num_kv_heads == 0
+
+
+def test_dotted_overrides_and_types():
+    cfg = config_lib.load("llama3_8b", ["parallel.tensor=8", "train.steps=100", "model.rope_scaling.type=llama3",
+                                         "optim.decay_steps=50"])
+    assert cfg.parallel.tensor == 8 and cfg.train.steps == 100 and isinstance(cfg.train.steps, int)
+    assert cfg.model.rope_scaling.type == "llama3" and cfg.optim.decay_steps == 50
+    assert cfg.model.hidden_size == 4096  # from the preset
+
+
+def test_config_round_trips_through_dict():
+    cfg = config_lib.load("qwen2_7b")
+    assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
+
+
+BAD = [
+    (["model.foo=1"], "model.foo"),
+    (["trian.steps=1"], "trian"),
+    (["train.steps=abc"], "train.steps"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads"),
+    (["parallel.tensor=3"], "parallel.tensor"),
+    (["parallel.data=3", "train.global_batch_size=24"], "parallel"),
+    (["parallel.data=1", "train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size"),
+    (["model.attention=flash"], "model.attention"),
+    (["parallel.stage=2"], "parallel.stage"),
+    (["optim.lr=-1"], "optim.lr"),
+    (["optim.schedule=step"], "optim.schedule"),
+    (["model.remat=some"], "model.remat"),
+    (["data.seq_len=0"], "data.seq_len"),
+    (["model.attention=cudnn"], "model.attention"),
+    (["parallel.data=2", "parallel.fsdp=-1", "parallel.tensor=-1"], "parallel"),
+    (["train.steps"], "train.steps"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD, ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_bad_values_give_one_line_naming_the_field(overrides, field, capsys):
+    assert main(overrides) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {field}"), err
+
+
+def test_bad_yaml_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: 64\nmodle:\n  x: 1\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "modle" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_cli_exits_nonzero_in_a_fresh_process():
+    proc = subprocess.run([sys.executable, "-m", "jaxtron.train", "model.num_kv_heads=3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "model.num_kv_heads" in proc.stderr
+
+
+def test_help_lists_fields_with_docs_and_defaults():
+    proc = subprocess.run([sys.executable, "-m", "jaxtron.train", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0
+    for name, default, _ in config_lib.fields_help():
+        assert name in proc.stdout
+    assert "parallel.sequence_parallel" in proc.stdout and "[default: False]" in proc.stdout
