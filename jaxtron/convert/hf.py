@@ -36,9 +36,8 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -47,6 +46,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
+
+if TYPE_CHECKING:
+    from jaxtron.model.llama import Llama
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
@@ -540,7 +542,8 @@ def _read_config(hf_dir: str) -> tuple[dict, str]:
         raise ValueError(f"{path}: invalid JSON ({err})") from None
 
 
-def load(hf_dir: str, dtype: Optional[str] = None, param_dtype: Optional[str] = None):
+def load(hf_dir: str, dtype: Optional[str] = None, param_dtype: Optional[str] = None
+         ) -> tuple[ModelConfig, Llama]:
     """Load a Hugging Face Llama/Qwen2 folder: returns ``(ModelConfig, Llama)``.
 
     ``dtype`` overrides the compute dtype (``ModelConfig.dtype``) and ``param_dtype`` the dtype the weights
@@ -584,7 +587,7 @@ def _remove_old_weights(hf_dir: str) -> None:
             os.remove(os.path.join(hf_dir, fname))
 
 
-def save(model, hf_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: Optional[str] = None,
+def save(model: Llama, hf_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: Optional[str] = None,
          architecture: Optional[str] = None, max_position_embeddings: Optional[int] = None) -> None:
     """Write ``model`` (a jaxtron :class:`Llama`) as a Hugging Face folder that
     ``transformers.AutoModelForCausalLM.from_pretrained(hf_dir)`` loads.

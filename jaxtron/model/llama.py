@@ -73,7 +73,10 @@ class Llama(nnx.Module):
         dt = jnp.dtype(compute_dtype(cfg))
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        # Vocab-parallel lookup: the table (gathered over its FSDP shards, vocab still split) is indexed
+        # by the tokens and the partial rows summed across the vocab split.
+        table = constrain(self.embed[...].astype(dt), ("vocab", "act_embed"))
+        x = jnp.take(table, tokens, axis=0)
         x = constrain(x, RESIDUAL)
         inv_freq = rope_frequencies(cfg)
 
