@@ -1,0 +1,121 @@
+"""Time the jitted train step on a synthetic batch: compile seconds, steady-state s/step, tokens/s, TFLOP/s, MFU.
+
+    python scripts/bench_train.py [--config PRESET_OR_YAML] [--cpu-devices N] [--warmup 3] [--steps 20] [--json]
+                                  [section.field=value ...]
+
+``--cpu-devices N`` appends ``--xla_force_host_platform_device_count=N`` to XLA_FLAGS before jax is imported.
+The batch is random tokens with the keys and dtypes of the built-in corpus; the same batch is fed every step.
+The timed window dispatches ``--steps`` steps back to back and blocks once, at its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="a preset name or a YAML file (default: the built-in defaults)")
+    p.add_argument("--cpu-devices", type=int, default=None, help="force N host-platform (CPU) devices")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. parallel.fsdp=4")
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after options
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tokens laid out as BuiltinCorpus._windows lays out a batch (no EOD resets, nothing masked)."""
+    win = np.random.default_rng(seed).integers(0, vocab, size=(global_batch, seq_len + 1), dtype=np.int32)
+    shape = (global_batch, seq_len)
+    return {"inputs": win[:, :-1].copy(), "targets": win[:, 1:].copy(),
+            "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape).copy(),
+            "segment_ids": np.ones(shape, np.int32), "loss_mask": np.ones(shape, np.float32)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.cpu_devices:  # must happen before jax is imported
+        flag = f"--xla_force_host_platform_device_count={args.cpu_devices}"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+    from jaxtron import config as config_lib
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+    except config_lib.ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    import jax
+    from jaxtron.train.flops import flops_per_token
+    from jaxtron.train.loop import Run, put_batch
+
+    try:
+        run = Run(cfg)
+    except config_lib.ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    t, seq = cfg.train, cfg.data.seq_len
+    batch = put_batch(synthetic_batch(t.global_batch_size, seq, cfg.model.vocab_size, t.seed), run.batch_sharding)
+
+    t0 = time.perf_counter()
+    step = run.train_step.lower(run.state, batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    state = run.state
+    for _ in range(args.warmup):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        state, metrics = step(state, batch)
+    jax.block_until_ready((state, metrics))
+    step_s = (time.perf_counter() - t0) / args.steps
+    run.state = state
+
+    n = run.num_devices
+    tps = t.global_batch_size * seq / step_s
+    out = {
+        "devices": n, "device_kind": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
+        "mesh": dict(run.mesh_shape), "dtype": config_lib.compute_dtype(cfg.model), "remat": cfg.model.remat,
+        "global_batch_size": t.global_batch_size, "seq_len": seq,
+        "accumulation_steps": t.global_batch_size // (t.micro_batch_size * run.dp),
+        "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(state["params"]))),
+        "compile_s": compile_s, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_device": tps / n,
+        "final_loss": float(metrics["loss"]),
+        "peak_tflops_per_device": run.peak_flops / 1e12 if run.peak_flops else None,
+    }
+    for conv in ("full", "causal"):
+        tflops = flops_per_token(cfg.model, seq, conv) * tps / n / 1e12
+        out[f"tflops_per_device_{conv}"] = tflops
+        out[f"mfu_{conv}"] = tflops * 1e12 / run.peak_flops if run.peak_flops else None
+
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    mesh = " x ".join(f"{a} {s}" for a, s in out["mesh"].items() if s > 1) or "1 device"
+    print(f"devices      {n} x {out['device_kind']} ({out['platform']}); mesh {mesh}")
+    print(f"model        {out['params'] / 1e6:.2f}M params, dtype {out['dtype']}, remat {out['remat']}; "
+          f"batch {t.global_batch_size} x {seq}, accumulation {out['accumulation_steps']}")
+    print(f"compile      {compile_s:.2f} s")
+    print(f"step         {step_s * 1e3:.2f} ms (mean of {args.steps} after {args.warmup} warmup)")
+    print(f"tokens/s     {tps:,.0f} global, {tps / n:,.0f} per device")
+    for conv in ("full", "causal"):
+        mfu = out[f"mfu_{conv}"]
+        print(f"TFLOP/s/dev  {out[f'tflops_per_device_{conv}']:.4f} ({conv} attention)"
+              + (f", MFU {100 * mfu:.1f}%" if mfu is not None else ", MFU n/a (peak unknown)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
