@@ -68,3 +68,10 @@ def test_gradient_accumulation_with_data_parallel(reference):
     losses, _ = run_losses(tiny_config("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
                                        "train.global_batch_size=8", "train.micro_batch_size=1"), jax.devices())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_remat_policies_do_not_change_the_numbers(reference, remat):
+    ref_losses, _ = reference
+    losses, _ = run_losses(tiny_config("parallel.data=1", f"model.remat={remat}"), jax.devices()[:1])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
