@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxtron.config import MESH_AXES, ParallelConfig, resolve_mesh_shape
@@ -22,11 +23,9 @@ def build_mesh(parallel: ParallelConfig, devices: Optional[Sequence[jax.Device]]
     sizes = resolve_mesh_shape(parallel, len(devices))
     shape = tuple(sizes[a] for a in MESH_ORDER)
     assert set(MESH_ORDER) == set(MESH_AXES)
-    if devices == list(jax.devices()):
-        try:
-            dev_array = jax.experimental.mesh_utils.create_device_mesh(shape, devices)
-        except Exception:  # noqa: BLE001 - odd topologies: fall back to the plain order
-            dev_array = np.asarray(devices).reshape(shape)
+    if devices == list(jax.devices()) and devices[0].platform != "cpu":
+        # Topology-aware order on accelerators (NVLink/ICI neighbours on the inner axes).
+        dev_array = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     else:
         dev_array = np.asarray(devices).reshape(shape)
     return Mesh(dev_array, MESH_ORDER, axis_types=(AxisType.Auto,) * len(MESH_ORDER))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ class ModelSpec:
     param_shardings: dict
     state_shardings: dict
     abstract_state: dict
+    init_fn: Callable[[], dict]  # creates the real state; jit it with out_shardings=state_shardings
 
 
 def model_factory(cfg: Config):
@@ -49,14 +50,12 @@ def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, mesh: Me
                                    transform_non_params=lambda _: replicated)
     shardings = {"step": replicated, "params": p_sh, "opt_state": opt_sh}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    spec = ModelSpec(graphdef, p_sh, shardings, abstract)
-    spec.init_fn = init  # type: ignore[attr-defined]
-    return spec
+    return ModelSpec(graphdef, p_sh, shardings, abstract, init)
 
 
 def init_train_state(cfg: Config, tx: optax.GradientTransformation, mesh: Mesh, rules) -> tuple[dict, ModelSpec]:
     """Create params and optimizer state directly in their shards (jit with out_shardings): no device ever
     holds a full copy of a sharded weight."""
     spec = abstract_train_state(cfg, tx, mesh, rules)
-    state = jax.jit(spec.init_fn, out_shardings=spec.state_shardings)()  # type: ignore[attr-defined]
+    state = jax.jit(spec.init_fn, out_shardings=spec.state_shardings)()
     return state, spec

@@ -1,0 +1,227 @@
+"""Tokenize text into a Megatron-LM-compatible ``.bin``/``.idx`` dataset (see ``jaxtron.data.indexed``).
+
+    python -m jaxtron.data.prepare --input a.jsonl b.jsonl.gz notes.txt --output-prefix data/corpus \\
+        --tokenizer path/to/tokenizer.json --append-eod --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Iterator
+
+import numpy as np
+
+from jaxtron.data.indexed import IndexedDatasetWriter, best_dtype, bin_path, idx_path
+from jaxtron.data.tokenizers import TokenizerError, load_tokenizer
+
+_CHUNK_BYTES = 1 << 20  # raw input bytes per task sent to a worker
+
+DESCRIPTION = """\
+Tokenize documents into <output-prefix>.bin / <output-prefix>.idx (Megatron-LM MMapIndexedDataset layout,
+token dtype uint16 when the vocabulary has fewer than 65500 ids, else int32).
+
+Inputs, by file name:
+  *.jsonl, *.json, *.jsonl.gz, *.json.gz   one JSON object per line; the document text is under --json-key
+                                           (blank lines are skipped)
+  anything else (e.g. *.txt, *.txt.gz)     plain UTF-8 text: each file is ONE document
+Documents whose text tokenizes to nothing are skipped (as in Megatron-LM)."""
+
+
+class InputError(Exception):
+    """Bad input: reported as one ``error: ...`` line and exit status 2."""
+
+
+def _is_jsonl(path: str) -> bool:
+    p = path[:-3] if path.endswith(".gz") else path
+    return p.endswith(".jsonl") or p.endswith(".json")
+
+
+def _open_text(path: str):
+    if path.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="")
+
+
+def _tasks(paths: list[str]) -> Iterator[tuple]:
+    """Work items: ("jsonl", path, first_lineno, [lines]) or ("text", path, 0, [text])."""
+    for path in paths:
+        try:
+            if _is_jsonl(path):
+                with _open_text(path) as f:
+                    lines, size, first = [], 0, 1
+                    for lineno, line in enumerate(f, 1):
+                        if not lines:
+                            first = lineno
+                        lines.append(line)
+                        size += len(line)
+                        if size >= _CHUNK_BYTES:
+                            yield ("jsonl", path, first, lines)
+                            lines, size = [], 0
+                    if lines:
+                        yield ("jsonl", path, first, lines)
+            else:
+                with _open_text(path) as f:
+                    yield ("text", path, 0, [f.read()])
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from e
+        except (OSError, EOFError, gzip.BadGzipFile) as e:
+            raise InputError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from e
+
+
+_TOK = None
+_OPTS: dict = {}
+
+
+def _init_worker(tokenizer_spec: str, json_key: str, append_eod: bool, dtype_name: str) -> None:
+    global _TOK, _OPTS
+    _TOK = load_tokenizer(tokenizer_spec)
+    _OPTS = {"json_key": json_key, "append_eod": append_eod, "dtype": np.dtype(dtype_name)}
+
+
+def _encode(text: str) -> np.ndarray:
+    dtype = _OPTS["dtype"]
+    if hasattr(_TOK, "encode_bytes"):
+        ids = np.frombuffer(_TOK.encode_bytes(text), dtype=np.uint8).astype(dtype)
+    else:
+        ids = np.asarray(_TOK.encode(text), dtype=dtype)
+    if _OPTS["append_eod"] and ids.size:
+        ids = np.append(ids, np.asarray(_TOK.eod, dtype=dtype))
+    return ids
+
+
+def _process(task: tuple):
+    """-> (docs: list[np.ndarray], raw_bytes, error_message_or_None)."""
+    kind, path, first, items = task
+    nbytes = sum(len(s) for s in items)
+    docs = []
+    if kind == "text":
+        docs.append(_encode(items[0]))
+        return docs, nbytes, None
+    key = _OPTS["json_key"]
+    texts = []
+    for k, line in enumerate(items):
+        lineno = first + k
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            return None, nbytes, f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})"
+        if not isinstance(obj, dict):
+            return None, nbytes, f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
+        if key not in obj:
+            return None, nbytes, f"{path}:{lineno}: missing key {key!r} (keys: {', '.join(map(str, obj)) or 'none'})"
+        text = obj[key]
+        if not isinstance(text, str):
+            return None, nbytes, f"{path}:{lineno}: key {key!r} holds {type(text).__name__}, expected a string"
+        texts.append(text)
+    if hasattr(_TOK, "encode_batch") and not hasattr(_TOK, "encode_bytes"):
+        dtype = _OPTS["dtype"]
+        for ids in _TOK.encode_batch(texts):
+            ids = np.asarray(ids, dtype=dtype)
+            if _OPTS["append_eod"] and ids.size:
+                ids = np.append(ids, np.asarray(_TOK.eod, dtype=dtype))
+            docs.append(ids)
+    else:
+        docs.extend(_encode(t) for t in texts)
+    return docs, nbytes, None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxtron.data.prepare", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="JSONL(.gz) or plain text files")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--tokenizer", required=True,
+                   help="'byte' (UTF-8 bytes, end-of-document id 0), a Hugging Face tokenizer.json, "
+                        "or a SentencePiece .model")
+    p.add_argument("--json-key", default="text", help="JSON field holding the document text (default: text)")
+    p.add_argument("--append-eod", action="store_true", help="append the tokenizer's end-of-document id to "
+                                                               "every document")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        return _fail(f"--workers must be at least 1, got {args.workers}")
+    for path in args.input:
+        if not os.path.isfile(path):
+            return _fail(f"{path}: input file not found")
+    try:
+        tok = load_tokenizer(args.tokenizer)
+    except TokenizerError as e:
+        return _fail(str(e))
+    dtype = np.dtype(best_dtype(tok.vocab_size))
+    total_in = sum(os.path.getsize(p) for p in args.input)
+
+    t0 = time.perf_counter()
+    writer = IndexedDatasetWriter(args.output_prefix, dtype)
+    init_args = (args.tokenizer, args.json_key, args.append_eod, dtype.name)
+    pool = None
+    n_docs = n_tokens = n_bytes = 0
+    bar = None
+    try:
+        if args.workers > 1:
+            # spawn: safe even when the caller has threads running (e.g. JAX imported in the same process)
+            pool = mp.get_context("spawn").Pool(args.workers, initializer=_init_worker, initargs=init_args)
+            results = pool.imap(_process, _tasks(args.input), chunksize=1)
+        else:
+            _init_worker(*init_args)
+            results = map(_process, _tasks(args.input))
+        if not args.no_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total_in, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
+        for docs, nbytes, err in results:
+            if err:
+                raise InputError(err)
+            for ids in docs:
+                if ids.size:
+                    writer.add_document(ids)
+                    n_docs += 1
+                    n_tokens += int(ids.size)
+            n_bytes += nbytes
+            if bar is not None:
+                bar.update(nbytes)
+        if n_docs == 0:
+            raise InputError(f"no documents found in {', '.join(args.input)} (empty input)")
+        writer.finalize()
+    except InputError as e:
+        failure = str(e)
+        writer.abort()
+    except BaseException:
+        writer.abort()
+        raise
+    else:
+        failure = None
+    finally:
+        if bar is not None:
+            bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    if failure is not None:
+        return _fail(failure)
+    dt = max(time.perf_counter() - t0, 1e-9)
+    mb = total_in / 1e6
+    print(f"wrote {bin_path(args.output_prefix)} and {idx_path(args.output_prefix)}: {n_docs} documents, "
+          f"{n_tokens} tokens ({dtype.name}), {mb:.1f} MB input in {dt:.1f} s = {mb / dt:.1f} MB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
