@@ -1,5 +1,10 @@
-"""Training data. ``builtin``: the standard library's Python sources, byte-tokenized (no download)."""
+"""Training data: the built-in corpus, Megatron-compatible indexed datasets, tokenizers.
+
+``python -m jaxtron.data.prepare`` turns JSONL or text into ``.bin/.idx`` files."""
 
 from jaxtron.data.builtin import BuiltinCorpus, ByteTokenizer
+from jaxtron.data.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype, merge
+from jaxtron.data.tokenizers import TokenizerError, load_tokenizer
 
-__all__ = ["BuiltinCorpus", "ByteTokenizer"]
+__all__ = ["BuiltinCorpus", "ByteTokenizer", "IndexedDataset", "IndexedDatasetError", "IndexedDatasetWriter",
+           "best_dtype", "merge", "TokenizerError", "load_tokenizer"]

@@ -108,7 +108,8 @@ class IndexedDataset:
         n = len(lengths)
         if n:
             if (lengths < 0).any():
-                raise IndexedDatasetError(f"{ipath}: negative sequence length at sequence {int(np.argmax(lengths < 0))}")
+                bad = int(np.argmax(lengths < 0))
+                raise IndexedDatasetError(f"{ipath}: negative sequence length at sequence {bad}")
             if (pointers < 0).any() or (pointers % itemsize).any():
                 bad = int(np.argmax((pointers < 0) | (pointers % itemsize != 0)))
                 raise IndexedDatasetError(f"{ipath}: invalid byte offset {int(pointers[bad])} for sequence {bad}")

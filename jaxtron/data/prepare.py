@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             results = map(_process, _tasks(args.input))
         if not args.no_progress:
             from tqdm import tqdm
-            bar = tqdm(total=total_in, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
+            total = None if any(p.endswith(".gz") for p in args.input) else total_in  # .gz: sizes differ
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
         for docs, nbytes, err in results:
             if err:
                 raise InputError(err)
