@@ -4,7 +4,10 @@
 
 from jaxtron.data.builtin import BuiltinCorpus, ByteTokenizer
 from jaxtron.data.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype, merge
+from jaxtron.data.blending import BlendedDataset, parse_data_paths
+from jaxtron.data.gpt_dataset import GPTDataset, build_sample_index, split_documents
 from jaxtron.data.tokenizers import TokenizerError, load_tokenizer
 
 __all__ = ["BuiltinCorpus", "ByteTokenizer", "IndexedDataset", "IndexedDatasetError", "IndexedDatasetWriter",
-           "best_dtype", "merge", "TokenizerError", "load_tokenizer"]
+           "best_dtype", "merge", "TokenizerError", "load_tokenizer", "BlendedDataset", "parse_data_paths",
+           "GPTDataset", "build_sample_index", "split_documents"]
