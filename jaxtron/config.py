@@ -97,8 +97,13 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    source: str = _f("builtin", "'builtin': this Python installation's standard-library sources (no download).")
-    tokenizer: str = _f("byte", "'byte': byte-level (vocab 256, token 0 = end of document).")
+    source: str = _f("builtin", "'builtin': this Python installation's standard-library sources (no download); "
+                                "'indexed': Megatron .bin/.idx prefixes in data.paths.")
+    paths: Optional[str] = _f(None, "indexed: 'PREFIX' or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' "
+                                    "(Megatron's --data-path).")
+    split: str = _f("969,30,1", "indexed: train,valid,test weights over the documents (Megatron's --split).")
+    eod_id: int = _f(0, "indexed: the end-of-document token id (the byte tokenizer's is 0).")
+    tokenizer: str = _f("byte", "builtin: 'byte', byte-level (vocab 256, token 0 = end of document).")
     seq_len: int = _f(256, "Tokens per training sequence.")
     valid_fraction: float = _f(0.02, "Fraction of documents held out for evaluation.")
     max_corpus_bytes: int = _f(16 * 2**20, "builtin: read at most this many bytes of sources.")
@@ -321,11 +326,12 @@ def validate(cfg: Config) -> Config:
     _check(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {o.grad_clip}")
     _check(o.z_loss >= 0, "optim.z_loss", f"must be >= 0, got {o.z_loss}")
 
-    _check(d.source == "builtin", "data.source", f"{d.source!r} is not supported yet (only 'builtin')")
+    _check(d.source in ("builtin", "indexed"), "data.source", f"{d.source!r} is not one of ('builtin', 'indexed')")
+    _check(d.source != "indexed" or bool(d.paths), "data.paths", "required when data.source=indexed")
     _check(d.tokenizer == "byte", "data.tokenizer", f"{d.tokenizer!r} is not supported yet (only 'byte')")
     _positive(d, "data", ["seq_len", "max_corpus_bytes"])
     _check(0.0 < d.valid_fraction < 1.0, "data.valid_fraction", f"must be in (0, 1), got {d.valid_fraction}")
-    if d.tokenizer == "byte":
+    if d.source == "builtin" and d.tokenizer == "byte":
         _check(m.vocab_size >= 256, "model.vocab_size", f"the byte tokenizer needs >= 256, got {m.vocab_size}")
 
     _positive(t, "train", ["steps", "global_batch_size", "eval_batches"])

@@ -33,7 +33,11 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except config_lib.ConfigError as err:  # data-dependent checks (files, token ids) found at start-up
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if result.eval_losses:
         print(f"held-out loss: {result.initial_eval_loss:.4f} at step 0 -> {result.eval_losses[-1][1]:.4f} "
               f"at step {result.eval_losses[-1][0]}")

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxtron import config as config_lib
 from jaxtron.config import Config
-from jaxtron.data import BuiltinCorpus
+from jaxtron.data.corpus import make_corpus
 from jaxtron.parallel import build_mesh, logical_rules
 from jaxtron.train.flops import device_peak_tflops, flops_per_token
 from jaxtron.train.metrics import MetricsWriter
@@ -59,7 +59,7 @@ class Run:
         peak = cfg.train.peak_tflops or device_peak_tflops(devices[0].device_kind)
         self.peak_flops = peak * 1e12 if peak else None
 
-    def evaluate(self, data: BuiltinCorpus) -> float:
+    def evaluate(self, data) -> float:
         total, count = 0.0, 0.0
         for b in data.valid_batches(self.cfg.train.eval_batches, self.cfg.train.global_batch_size):
             out = self.eval_step(self.state["params"], put_batch(b, self.batch_sharding))
@@ -67,10 +67,10 @@ class Run:
             count += float(out["tokens"])
         return total / max(count, 1.0)
 
-    def train(self, data: Optional[BuiltinCorpus] = None) -> RunResult:
+    def train(self, data=None) -> RunResult:
         cfg = self.cfg
         t = cfg.train
-        data = data or BuiltinCorpus(cfg.data, t.seed)
+        data = data or make_corpus(cfg)
         result = RunResult(steps=t.steps)
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         fpt = {c: flops_per_token(cfg.model, cfg.data.seq_len, c) for c in ("full", "causal")}
