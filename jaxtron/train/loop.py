@@ -15,6 +15,7 @@ import numpy as np
 from jaxtron import config as config_lib
 from jaxtron.config import Config
 from jaxtron.data.corpus import make_corpus
+from jaxtron.data.loader import batch_stream, put_local_batch
 from jaxtron.parallel import build_mesh, logical_rules
 from jaxtron.train.flops import device_peak_tflops, flops_per_token
 from jaxtron.train.metrics import MetricsWriter
@@ -75,7 +76,8 @@ class Run:
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         fpt = {c: flops_per_token(cfg.model, cfg.data.seq_len, c) for c in ("full", "causal")}
 
-        first = put_batch(data.train_batch(0, t.global_batch_size), self.batch_sharding)
+        stream = batch_stream(data, t.global_batch_size, 0, t.steps)
+        first = put_local_batch(next(stream), self.batch_sharding, t.global_batch_size)
         t0 = time.perf_counter()
         self.train_step = self.train_step.lower(self.state, first).compile()
         result.compile_seconds = time.perf_counter() - t0
@@ -92,7 +94,7 @@ class Run:
             for step in range(t.steps):
                 self.state, metrics = self.train_step(self.state, batch)
                 if step + 1 < t.steps:  # prepare the next batch while the device works
-                    batch = put_batch(data.train_batch(step + 1, t.global_batch_size), self.batch_sharding)
+                    batch = put_local_batch(next(stream), self.batch_sharding, t.global_batch_size)
                 window_steps += 1
                 writer.advance()
                 done = step + 1
