@@ -65,3 +65,21 @@ def test_vocab_too_small_for_the_data(prefixes, tmp_path, capsys):
 def test_indexed_needs_paths(capsys):
     assert main(["data.source=indexed"]) == 2
     assert capsys.readouterr().err.startswith("error: data.paths")
+
+
+def test_per_process_rows_concatenate_to_the_global_batch(prefixes):
+    """Processes 0..P-1 each build only their rows; together they equal the 1-process global batch."""
+    from jaxtron.config import load
+    from jaxtron.data.corpus import make_corpus
+    from jaxtron.data.loader import _LocalBatch, process_rows
+
+    a, b = prefixes
+    cfg = load(None, ["data.source=indexed", f"data.paths=0.5 {a} 0.5 {b}", "data.seq_len=32", "train.steps=4"])
+    corpus = make_corpus(cfg)
+    whole = _LocalBatch(corpus, 8, process_rows(8, 0, 1))(3)
+    for procs in (2, 4):
+        parts = [_LocalBatch(corpus, 8, process_rows(8, p, procs))(3) for p in range(procs)]
+        for k in whole:
+            np.testing.assert_array_equal(np.concatenate([x[k] for x in parts]), whole[k])
+    with pytest.raises(ValueError, match="not divisible"):
+        process_rows(8, 0, 3)
