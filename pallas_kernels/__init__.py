@@ -1,3 +1,6 @@
-"""Standalone Pallas GPU kernels (flash attention, RoPE, SwiGLU), importable without jaxtron.
+"""Standalone Pallas GPU kernels, importable without jaxtron; each has a plain jnp reference.
 
-Empty until the kernels issue lands."""
+* ``pallas_kernels.rope``: rotary embedding of q and k (positions, Llama-3.1 scaling), forward + backward.
+* ``pallas_kernels.swiglu``: ``silu(gate) * up``, forward + backward.
+
+Flash attention is still to come. On CPU the kernels run in Pallas interpret mode (slow, exact)."""
