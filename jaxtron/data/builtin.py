@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from jaxtron.config import DataConfig
+from jaxtron.data.gpt_dataset import make_batch_fields
 
 EOD = 0
 
@@ -73,27 +74,10 @@ class BuiltinCorpus:
                                    f"({len(toks)} tokens)")
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
-        s = self.cfg.seq_len
-        idx = starts[:, None] + np.arange(s + 1)[None, :]
-        win = tokens[idx].astype(np.int32)
-        inputs, targets = win[:, :-1], win[:, 1:]
-        batch = {"inputs": inputs, "targets": targets}
-        b = inputs.shape[0]
-        if self.cfg.reset_at_eod:
-            seg = np.zeros_like(inputs)
-            seg[:, 1:] = np.cumsum(inputs[:, :-1] == EOD, axis=1)
-            ar = np.broadcast_to(np.arange(s, dtype=np.int32), inputs.shape)
-            starts_at = np.where(np.concatenate([np.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], 1), ar, 0)
-            batch["positions"] = (ar - np.maximum.accumulate(starts_at, axis=1)).astype(np.int32)
-            batch["segment_ids"] = (seg + 1).astype(np.int32)
-        else:
-            batch["positions"] = np.broadcast_to(np.arange(s, dtype=np.int32), inputs.shape).copy()
-            batch["segment_ids"] = np.ones_like(inputs)
-        mask = np.ones(inputs.shape, np.float32)
-        if self.cfg.eod_mask_loss:
-            mask[targets == EOD] = 0.0
-        batch["loss_mask"] = mask
-        return batch
+        win = tokens[starts[:, None] + np.arange(self.cfg.seq_len + 1)[None, :]]
+        return make_batch_fields(win, reset_position_ids=self.cfg.reset_at_eod,
+                                 reset_attention_mask=self.cfg.reset_at_eod, eod_mask_loss=self.cfg.eod_mask_loss,
+                                 eod_id=EOD)
 
     def train_batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng((self.seed, step))

@@ -182,8 +182,8 @@ def load_or_build_index(dataset: IndexedDataset, split_range, seq_len: int, num_
 
 def make_batch_fields(win: np.ndarray, reset_position_ids=False, reset_attention_mask=False,
                       eod_mask_loss=False, eod_id=0) -> dict[str, np.ndarray]:
-    """``win``: ``(b, s + 1)`` token windows -> inputs/targets/positions/segment_ids/loss_mask like
-    :meth:`jaxtron.data.builtin.BuiltinCorpus._windows`."""
+    """``win``: ``(b, s + 1)`` token windows -> the model's batch fields: inputs/targets/positions/segment_ids
+    /loss_mask (int32, loss_mask float32), shared by every data source."""
     win = np.asarray(win).astype(np.int32)
     inputs, targets = win[:, :-1], win[:, 1:]
     b, s = inputs.shape
