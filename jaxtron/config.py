@@ -124,12 +124,27 @@ class TrainConfig:
     eval_batches: int = _f(4, "Batches of global_batch_size per evaluation.")
     peak_tflops: Optional[float] = _f(None, "Peak dense bf16 TFLOP/s per device for MFU; default from the "
                                             "known-GPU table, none on CPU.")
+    max_skipped_steps: int = _f(10, "A step whose loss or gradient norm is not finite is skipped (no update); "
+                                    "after this many in a row the run saves a checkpoint and stops.")
 
 
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = _f(None, "Checkpoint directory; default <train.output_dir>/checkpoints.")
-    every_steps: int = _f(0, "Save every N steps (0: never). Checkpointing lands with the checkpoint issue.")
+    enabled: bool = _f(True, "Save checkpoints (at the end, every every_steps, and on SIGTERM/SIGINT) and resume "
+                             "from the newest complete one in dir.")
+    every_steps: int = _f(0, "Also save every N steps (0: only at the end and on SIGTERM/SIGINT).")
+    keep: int = _f(2, "Keep the newest N checkpoints (older ones are deleted, except keep_every multiples).")
+    keep_every: int = _f(0, "Keep every checkpoint whose step is a multiple of N for good (0: none).")
+    async_save: bool = _f(True, "Write checkpoints in the background; training blocks only while the state is "
+                                "copied.")
+    resume: bool = _f(True, "Resume from the newest complete checkpoint in dir when there is one.")
+    fallback: bool = _f(False, "When the newest checkpoint cannot be read, fall back to the previous one "
+                               "(default: stop with an error naming the file and step).")
+    load_weights: Optional[str] = _f(None, "Start from the parameters of this checkpoint (a checkpoint "
+                                           "directory, or one step of it) with a fresh optimizer, e.g. the "
+                                           "output of 'python -m jaxtron.convert import-hf'. Ignored when "
+                                           "resuming from dir.")
 
 
 @dataclass
@@ -342,9 +357,13 @@ def validate(cfg: Config) -> Config:
     _check(bool(t.output_dir), "train.output_dir", "must not be empty")
     if -1 not in (p.data, p.fsdp):
         _check_batch(t, p.data * p.fsdp)
-    _check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
-    _check(cfg.checkpoint.every_steps == 0, "checkpoint.every_steps",
-           "checkpointing is not available yet (it lands with the checkpoint issue); must be 0")
+    c = cfg.checkpoint
+    for name in ("every_steps", "keep_every"):
+        _check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
+    _check(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
+    _check(c.dir is None or bool(c.dir), "checkpoint.dir", "must not be empty")
+    _check(c.load_weights is None or bool(c.load_weights), "checkpoint.load_weights", "must not be empty")
+    _check(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     _positive(cfg.logging, "logging", ["log_every"])
     _check(cfg.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level",
            f"{cfg.logging.level!r} is not a logging level")
@@ -359,6 +378,10 @@ def _check_batch(t: TrainConfig, dp: int) -> None:
         _check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
                f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
                f"data-parallel size (data*fsdp = {dp})")
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    return cfg.checkpoint.dir or os.path.join(cfg.train.output_dir, "checkpoints")
 
 
 def micro_batch_size(t: TrainConfig, dp: int) -> int:

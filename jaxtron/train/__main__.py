@@ -33,14 +33,27 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from jaxtron.checkpoint import CheckpointError
+    from jaxtron.train.loop import TrainingAborted
     try:
         result = run(cfg)
     except config_lib.ConfigError as err:  # data-dependent checks (files, token ids) found at start-up
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except TrainingAborted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    if result.stopped_by:
+        print(f"stopped by {result.stopped_by} at step {result.final_step} of {cfg.train.steps}; the next start "
+              f"resumes from there")
+        return 0
     if result.eval_losses:
-        print(f"held-out loss: {result.initial_eval_loss:.4f} at step 0 -> {result.eval_losses[-1][1]:.4f} "
-              f"at step {result.eval_losses[-1][0]}")
+        first = (f"{result.initial_eval_loss:.4f} at step 0" if result.initial_eval_loss is not None
+                 else f"resumed at step {result.start_step}")
+        print(f"held-out loss: {first} -> {result.eval_losses[-1][1]:.4f} at step {result.eval_losses[-1][0]}")
     return 0
 
 

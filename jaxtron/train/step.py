@@ -71,7 +71,14 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             grad_norm = optax.global_norm(grads)
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             new_params = optax.apply_updates(params, updates)
-            metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n}
+            # A non-finite loss or gradient norm skips the update: params and optimizer state stay as they were
+            # (the step counter, i.e. the data position, still advances).
+            ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jnp.where(ok, new, old)
+            new_params = jax.tree.map(keep, new_params, params)
+            opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+            metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n,
+                       "skipped": jnp.logical_not(ok)}
             return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(mesh, rules)),
