@@ -43,10 +43,21 @@ class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 2, keep_every: int = 0, async_save: bool = True,
                  read_only: bool = False):
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, keep_period=keep_every or None, enable_async_checkpointing=async_save,
-            create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only)
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        if read_only:
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                                   save_interval_steps=0)
+        else:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep, keep_period=keep_every or None, enable_async_checkpointing=async_save,
+                create=True, cleanup_tmp_directories=True)
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        if read_only:  # Orbax warns that a read-only manager is read-only
+            absl_log.setLevel(logging.ERROR)
+        try:
+            self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        finally:
+            absl_log.setLevel(level)
 
     # ------------------------------------------------------------------------------------------ query
     def all_steps(self) -> list[int]:
@@ -73,6 +84,8 @@ class Checkpointer:
     def save_params(self, step: int, params: Any, meta: dict) -> None:
         """A weights-only checkpoint (no optimizer state), e.g. an imported Hugging Face model: training can
         start from it with ``checkpoint.load_weights`` but cannot resume it."""
+        if step in self._mngr.all_steps():
+            raise CheckpointError(f"{self.step_dir(step)} exists already")
         args = ocp.args.Composite(params=ShardedSave(params), meta=ocp.args.JsonSave(dict(meta, step=int(step))))
         self._mngr.save(step, args=args, force=True)
 
@@ -112,18 +125,18 @@ class Checkpointer:
         return self._restore(step, params=ShardedRestore(abstract_params))["params"]
 
 
-def resolve_weights_path(path: str) -> tuple[str, int]:
-    """``checkpoint.load_weights`` -> (checkpoint directory, step): a checkpoint directory (its newest step)
-    or one of its step directories."""
+def resolve_weights_path(path: str, what: str = "checkpoint.load_weights") -> tuple[str, int]:
+    """A checkpoint path given by the user (``what`` names the setting in errors) -> (checkpoint directory,
+    step): a checkpoint directory (its newest step) or one of its step directories."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint.load_weights: {path} is not a directory")
+        raise CheckpointError(f"{what}: {path} is not a directory")
     base = os.path.basename(path.rstrip("/"))
     if base.isdigit() and os.path.isdir(os.path.join(path, "params")):
         return os.path.dirname(path), int(base)
     steps = sorted(int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d)))
     if not steps:
-        raise CheckpointError(f"checkpoint.load_weights: {path} holds no checkpoint steps (expected <step>/params)")
+        raise CheckpointError(f"{what}: {path} holds no checkpoint steps (expected <step>/params)")
     return path, steps[-1]
 
 

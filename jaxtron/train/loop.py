@@ -122,8 +122,10 @@ class Run:
             raise CheckpointError(f"none of the checkpoints {steps} in {ckpt.directory} could be read")
         if c.load_weights:
             t0 = time.perf_counter()
-            state = self.state
-            state["params"], meta = load_params(c.load_weights, self.spec.abstract_state["params"])
+            params, meta = load_params(c.load_weights, self.spec.abstract_state["params"])
+            opt_init = jax.jit(self.tx.init, out_shardings=self.spec.state_shardings["opt_state"])
+            step0 = jax.device_put(np.zeros((), np.int32), self.spec.state_shardings["step"])
+            self.state = {"step": step0, "params": params, "opt_state": opt_init(params)}
             log.info("loaded weights from %s (step %s) in %.1f s; fresh optimizer state", c.load_weights,
                      meta.get("step"), time.perf_counter() - t0)
         else:
