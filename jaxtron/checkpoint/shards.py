@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMAT = "jaxtron-shards-1"
-IO_THREADS = 4
+IO_THREADS = int(os.environ.get("JAXTRON_CHECKPOINT_IO_THREADS", 0)) or max(2, min(16, os.cpu_count() or 2))
 WRITE_DELAY_ENV = "JAXTRON_CHECKPOINT_WRITE_DELAY_S"  # fault-injection tests: sleep after each shard file
 
 
@@ -99,29 +99,14 @@ class PendingSave:
         os.replace(tmp, os.path.join(directory, f"index.p{pid}.json"))
 
 
-_copy_fns: dict = {}
-
-
 def _device_copy(arrays: list[jax.Array]) -> list[jax.Array]:
-    """Fresh device buffers holding the same values (asynchronously dispatched, one jitted call per device
-    set), so the train step may donate the originals while the copies are written."""
-    groups: dict = {}
-    for i, a in enumerate(arrays):
-        groups.setdefault(tuple(d.id for d in a.sharding._device_assignment), []).append(i)
-    out: list = [None] * len(arrays)
-    for idxs in groups.values():
-        shardings = tuple(arrays[i].sharding for i in idxs)
-        fn = _copy_fns.get(shardings)
-        if fn is None:
-            fn = jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=list(shardings))
-            _copy_fns[shardings] = fn
-        for i, c in zip(idxs, fn([arrays[i] for i in idxs])):
-            out[i] = c
-    return out
+    """Fresh device buffers holding the same values (an asynchronous copy; nothing to compile), so the train
+    step may donate the originals while the copies are written."""
+    return jax.device_put(arrays, [a.sharding for a in arrays], may_alias=False)
 
 
 def start_save(tree: Any) -> PendingSave:
-    """The blocking part of a save. On CPU a jitted on-device copy is dispatched (cheap, asynchronous); on
+    """The blocking part of a save. On CPU an on-device copy is dispatched (cheap, asynchronous); on
     accelerators every unique shard is transferred to host memory here, all transfers in flight at once."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     keys = [_keystr(p) for p, _ in flat]
