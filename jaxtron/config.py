@@ -107,6 +107,8 @@ class DataConfig:
     seq_len: int = _f(256, "Tokens per training sequence.")
     valid_fraction: float = _f(0.02, "Fraction of documents held out for evaluation.")
     max_corpus_bytes: int = _f(16 * 2**20, "builtin: read at most this many bytes of sources.")
+    cache_dir: Optional[str] = _f(None, "builtin: where its .bin/.idx files are prepared once (default "
+                                        "$JAXTRON_CACHE_DIR or ~/.cache/jaxtron).")
     reset_at_eod: bool = _f(False, "Restart positions and block attention at end-of-document tokens.")
     eod_mask_loss: bool = _f(False, "Do not train on predicting the end-of-document token.")
 

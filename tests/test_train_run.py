@@ -35,8 +35,9 @@ def test_cli_trains_and_writes_metrics(tmp_path):
 
 
 def test_builtin_corpus_packing_and_masks():
-    cfg = tiny_config("data.reset_at_eod=true", "data.eod_mask_loss=true", "data.seq_len=64")
-    data = BuiltinCorpus(cfg.data, seed=0)
+    cfg = tiny_config("data.reset_at_eod=true", "data.eod_mask_loss=true", "data.seq_len=64",
+                      "train.global_batch_size=1024", "train.steps=4", "train.eval_batches=2")
+    data = BuiltinCorpus(cfg)
     b = data.train_batch(3, 1024)
     again = data.train_batch(3, 1024)
     for k in b:
@@ -50,7 +51,7 @@ def test_builtin_corpus_packing_and_masks():
     assert b["segment_ids"][r, t + 1] == b["segment_ids"][r, t] + 1  # a new document starts after EOD
     assert b["positions"][r, t + 1] == 0
     assert b["loss_mask"][r, t - 1] == 0.0  # predicting EOD is masked
-    valid = list(data.valid_batches(2, 4))
+    valid = list(data.valid_batches(2, 1024))
     assert len(valid) == 2 and not np.array_equal(valid[0]["inputs"], valid[1]["inputs"])
 
 

@@ -2,24 +2,29 @@
 present on every machine, with a byte-level tokenizer (vocab 256, token 0 = end of document; NUL bytes do
 not occur in Python sources).
 
-Batches are ``seq_len + 1``-token windows of the concatenated document stream, at positions drawn from a
-generator seeded by (seed, step), so batch ``k`` is the same whenever it is asked for (exact resume needs no
-iterator state). Documents are split into train and held-out sets by a hash of their path.
+It goes through the same path as any Megatron dataset: the first run writes the documents (each followed by
+an end-of-document token) as ``.bin/.idx`` files into a cache directory (``data.cache_dir``, default
+``$JAXTRON_CACHE_DIR`` or ``~/.cache/jaxtron``), one prefix for training and one held out (files are
+assigned by a hash of their path); later runs reuse them. Samples are GPTDataset samples of those prefixes,
+so batch ``k`` is a pure function of the config and ``k``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sysconfig
 import zlib
-from typing import Iterator
 
 import numpy as np
 
-from jaxtron.config import DataConfig
-from jaxtron.data.gpt_dataset import make_batch_fields
+from jaxtron.config import Config, DataConfig
+from jaxtron.data.corpus import IndexedCorpus
+from jaxtron.data.indexed import IndexedDatasetWriter, idx_path
 
 EOD = 0
+FORMAT_VERSION = 2
 
 
 class ByteTokenizer:
@@ -34,8 +39,12 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) != EOD).decode("utf-8", errors="replace")
 
 
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
 def stdlib_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
+    root = stdlib_root()
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
@@ -43,15 +52,43 @@ def stdlib_files() -> list[str]:
     return files
 
 
-class BuiltinCorpus:
-    def __init__(self, cfg: DataConfig, seed: int):
-        self.cfg, self.seed = cfg, seed
-        root = sysconfig.get_paths()["stdlib"]
-        train, valid, total = [], [], 0
-        threshold = int(cfg.valid_fraction * 10_000)
-        for path in stdlib_files():
-            if total >= cfg.max_corpus_bytes:
-                break
+def default_cache_dir() -> str:
+    return os.environ.get("JAXTRON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxtron")
+
+
+def _candidates(cfg: DataConfig) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of the source files the corpus reads, in order, up to ``max_corpus_bytes``."""
+    out, total = [], 0
+    for path in stdlib_files():
+        if total >= cfg.max_corpus_bytes:
+            break
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if st.st_size:
+            out.append((path, st.st_size, st.st_mtime_ns))
+            total += st.st_size
+    return out
+
+
+def prepare_builtin(cfg: DataConfig) -> dict[str, str]:
+    """Write (once) the built-in corpus as ``.bin/.idx``; returns ``{"train": prefix, "valid": prefix}``.
+    The cache name hashes every input that changes the files: the source list (paths, sizes, mtimes),
+    ``max_corpus_bytes`` and ``valid_fraction``."""
+    files = _candidates(cfg)
+    root = stdlib_root()
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, cfg.max_corpus_bytes, cfg.valid_fraction,
+                                     [(os.path.relpath(p, root), n, t) for p, n, t in files]]).encode()).hexdigest()
+    directory = os.path.join(cfg.cache_dir or default_cache_dir(), f"builtin-{key[:16]}")
+    prefixes = {"train": os.path.join(directory, "train"), "valid": os.path.join(directory, "valid")}
+    if all(os.path.exists(idx_path(p)) for p in prefixes.values()):
+        return prefixes
+    threshold = int(cfg.valid_fraction * 10_000)
+    counts = {"train": 0, "valid": 0}
+    writers = {name: IndexedDatasetWriter(p, dtype=np.uint8) for name, p in prefixes.items()}
+    try:
+        for path, _, _ in files:
             try:
                 with open(path, "rb") as f:
                     data = f.read()
@@ -59,35 +96,25 @@ class BuiltinCorpus:
                 continue
             if not data or b"\x00" in data:
                 continue
-            total += len(data)
             rel = os.path.relpath(path, root).encode()
-            (valid if zlib.crc32(rel) % 10_000 < threshold else train).append(data)
-        if not train or not valid:
+            name = "valid" if zlib.crc32(rel) % 10_000 < threshold else "train"
+            writers[name].add_document(np.frombuffer(data + bytes([EOD]), dtype=np.uint8))
+            counts[name] += 1
+        if not counts["train"] or not counts["valid"]:
             raise RuntimeError(f"data.source=builtin: found too little text under {root} "
-                               f"({len(train)} train / {len(valid)} held-out files)")
-        sep = bytes([EOD])
-        self.train_tokens = np.frombuffer(sep.join(train) + sep, dtype=np.uint8)
-        self.valid_tokens = np.frombuffer(sep.join(valid) + sep, dtype=np.uint8)
-        for name, toks in (("train", self.train_tokens), ("held-out", self.valid_tokens)):
-            if len(toks) < cfg.seq_len + 2:
-                raise RuntimeError(f"data.seq_len={cfg.seq_len} is longer than the {name} corpus "
-                                   f"({len(toks)} tokens)")
+                               f"({counts['train']} train / {counts['valid']} held-out files; raise "
+                               f"data.max_corpus_bytes or data.valid_fraction)")
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    for w in writers.values():
+        w.finalize()
+    return prefixes
 
-    def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
-        win = tokens[starts[:, None] + np.arange(self.cfg.seq_len + 1)[None, :]]
-        return make_batch_fields(win, reset_position_ids=self.cfg.reset_at_eod,
-                                 reset_attention_mask=self.cfg.reset_at_eod, eod_mask_loss=self.cfg.eod_mask_loss,
-                                 eod_id=EOD)
 
-    def train_batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng((self.seed, step))
-        starts = rng.integers(0, len(self.train_tokens) - self.cfg.seq_len - 1, size=batch_size)
-        return self._windows(self.train_tokens, starts)
-
-    def valid_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-        """Fixed, evenly spaced held-out windows: the same every evaluation."""
-        n = num_batches * batch_size
-        last = len(self.valid_tokens) - self.cfg.seq_len - 1
-        starts = np.linspace(0, last, n).astype(np.int64)
-        for i in range(num_batches):
-            yield self._windows(self.valid_tokens, starts[i * batch_size:(i + 1) * batch_size])
+class BuiltinCorpus(IndexedCorpus):
+    def __init__(self, cfg: Config):
+        prefixes = prepare_builtin(cfg.data)
+        self.prefixes = prefixes
+        super().__init__(cfg, sources={name: [(1.0, p)] for name, p in prefixes.items()}, eod_id=EOD)

@@ -1,32 +1,39 @@
-"""Training data for a run: the built-in corpus, or Megatron ``.bin/.idx`` prefixes (weighted blend) cut into
-GPTDataset samples. Either way batch ``k`` is a pure function of (config, k), so a resumed run sees the
+"""Training data for a run: Megatron ``.bin/.idx`` prefixes (a weighted blend, or the built-in corpus prepared
+as such) cut into GPTDataset samples. Either way batch ``k`` is a pure function of (config, k), so a resumed run sees the
 batches an uninterrupted run would."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
 from jaxtron.config import Config, ConfigError
 from jaxtron.data.blending import BlendedDataset, parse_data_paths
-from jaxtron.data.builtin import BuiltinCorpus
 from jaxtron.data.gpt_dataset import GPTDataset, split_documents
 from jaxtron.data.indexed import IndexedDataset, IndexedDatasetError
 
 
 class IndexedCorpus:
-    def __init__(self, cfg: Config):
+    """``sources``: split name -> weighted prefixes whose documents all belong to that split (the built-in
+    corpus); default: the blend in ``data.paths``, each prefix's documents cut by ``data.split``."""
+
+    def __init__(self, cfg: Config, sources: Optional[dict[str, list[tuple[float, str]]]] = None,
+                 eod_id: Optional[int] = None):
         d, t = cfg.data, cfg.train
-        try:
-            blend = parse_data_paths(d.paths or "")
-        except ValueError as err:
-            raise ConfigError("data.paths", str(err)) from None
+        eod_id = d.eod_id if eod_id is None else eod_id
+        if sources is None:
+            try:
+                blend = parse_data_paths(d.paths or "")
+            except ValueError as err:
+                raise ConfigError("data.paths", str(err)) from None
         self.vocab_size = cfg.model.vocab_size
         num = {"train": t.steps * t.global_batch_size, "valid": t.eval_batches * t.global_batch_size}
-        weights = [w for w, _ in blend]
         self.splits = {}
         for name, count in num.items():
+            if sources is not None:
+                blend = sources[name]
+            weights = [w for w, _ in blend]
             needed = BlendedDataset.samples_needed(weights, count)
             parts = []
             for (_, prefix), need in zip(blend, needed):
@@ -35,7 +42,8 @@ class IndexedCorpus:
                 except IndexedDatasetError as err:
                     raise ConfigError("data.paths", str(err)) from None
                 try:
-                    lo, hi = split_documents(len(indexed), d.split)[name]
+                    lo, hi = (0, len(indexed)) if sources is not None else split_documents(len(indexed),
+                                                                                           d.split)[name]
                 except ValueError as err:
                     raise ConfigError("data.split", str(err)) from None
                 if hi <= lo:
@@ -43,7 +51,7 @@ class IndexedCorpus:
                                                     f"({len(indexed)} documents)")
                 parts.append(GPTDataset(indexed, (lo, hi), d.seq_len, max(need, 1), t.seed,
                                         reset_position_ids=d.reset_at_eod, reset_attention_mask=d.reset_at_eod,
-                                        eod_mask_loss=d.eod_mask_loss, eod_id=d.eod_id))
+                                        eod_mask_loss=d.eod_mask_loss, eod_id=eod_id))
             self.splits[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, count)
 
     def _rows(self, split: str, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -68,4 +76,5 @@ def make_corpus(cfg: Config):
     """The run's data source (``data.source``)."""
     if cfg.data.source == "indexed":
         return IndexedCorpus(cfg)
-    return BuiltinCorpus(cfg.data, cfg.train.seed)
+    from jaxtron.data.builtin import BuiltinCorpus
+    return BuiltinCorpus(cfg)
