@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -269,14 +270,25 @@ class Run:
         return record
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (it may be replaced, e.g. by pytest's capture)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logging(level: str) -> None:
     """jaxtron's log lines on stderr. A handler of its own: absl (imported by Orbax) claims the root logger."""
     logger = logging.getLogger("jaxtron")
     logger.setLevel(getattr(logging, level.upper()))
-    if not any(getattr(h, "_jaxtron", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
-        handler._jaxtron = True
         logger.addHandler(handler)
     logger.propagate = False
 
