@@ -2,5 +2,11 @@
 
 * ``pallas_kernels.rope``: rotary embedding of q and k (positions, Llama-3.1 scaling), forward + backward.
 * ``pallas_kernels.swiglu``: ``silu(gate) * up``, forward + backward.
+* ``pallas_kernels.flash_attention``: causal / sliding-window / packed-segment attention with GQA, forward +
+  backward (Pallas Triton backend).
 
-Flash attention is still to come. On CPU the kernels run in Pallas interpret mode (slow, exact)."""
+On CPU the kernels run in Pallas interpret mode (slow, exact)."""
+
+from .flash_attention import flash_attention, flash_attention_reference
+
+__all__ = ["flash_attention", "flash_attention_reference"]

@@ -1,0 +1,516 @@
+"""Flash attention (FlashAttention-2 style) as Pallas kernels, with a Pallas backward.
+
+Public API:
+  flash_attention(q, k, v, *, causal=True, segment_ids=None, softmax_scale=None, sliding_window=None,
+                  block_q=64, block_k=64, block_q_bwd=None, block_k_bwd=None, num_warps=None, num_stages=2,
+                  interpret=None, backend="triton") -> out [batch, seq, heads, head_dim]
+  flash_attention_reference(q, k, v, *, causal=True, segment_ids=None, softmax_scale=None,
+                            sliding_window=None) -> plain jnp, fp32 softmax
+
+Layout and semantics:
+  * q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim]; heads % kv_heads == 0 (MHA, GQA, MQA).
+    Query head h reads kv head h // (heads // kv_heads); K/V are never repeated in memory (the BlockSpec index_map
+    picks the kv head).
+  * segment_ids [batch, seq] (integer): a query attends only to keys with the same id (packed documents).
+  * causal: key j is visible to query i only if j <= i.
+  * sliding_window=W: additionally i - j < W (causal), or |i - j| < W (non-causal). W=1 -> attend to self only.
+  * A query row with no visible key outputs 0 (never NaN) and gets zero gradients, in the kernels and in the
+    reference. Through this API every real query sees at least itself, so such rows only occur for the padded rows
+    of a ragged sequence (e.g. with a sliding window); they are handled all the same.
+  * softmax_scale defaults to 1/sqrt(head_dim). Softmax statistics (running max, sum, log-sum-exp) are fp32;
+    matmuls accumulate in fp32; P and dS are cast to the input dtype before their matmuls (standard FA2).
+    fp32 inputs use IEEE fp32 dots (precision=HIGHEST, no TF32).
+
+Design (Triton backend, `_triton_*`):
+  * Ragged seq: the wrapper pads seq to a multiple of max(block sizes) and slices the output; padded keys are masked
+    in-kernel by position (`kv_pos < seq_len`, seq_len static), padded query rows are computed and thrown away (their
+    cotangent is zero, so they add nothing to dk/dv).
+  * Forward: grid (q_blocks, batch, heads); each program keeps its [block_q, head_dim] q tile and loops over kv
+    blocks with an online softmax in the log2 domain (exp2). The kv loop is bounded to the blocks that can be
+    visible: [window start, diagonal] for causal (fully masked blocks above the diagonal and left of the window are
+    skipped) and never past the last real (unpadded) key. Saves lse = m + log2(l) (log2 domain) [batch, heads, seq].
+  * Backward: delta = rowsum(dO * O) in jnp (fp32), then two kernels:
+      - dk/dv: grid (kv_blocks, batch, kv_heads); each program owns one kv tile and loops over the query heads of
+        its GQA group (q / dO / lse / delta blocks cover the group's heads) and over the visible q blocks, so the
+        group sum happens in registers and dk/dv are written once, in the input dtype.
+      - dq: grid (q_blocks, batch, heads); loop over visible kv blocks (same bounds as the forward).
+  * `backend` dispatches through _IMPLS; only "triton" exists. A Mosaic GPU variant would add its own
+    (`_mosaic_fwd`, `_mosaic_bwd`) pair there with the same signatures.
+  * On CPU the kernels run in Pallas interpret mode (interpret=None selects it automatically).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from ._common import cdiv, check_backend, is_pow2, next_pow2, resolve_interpret
+
+__all__ = ["flash_attention", "flash_attention_reference"]
+
+_LOG2E = math.log2(math.e)
+_NEG = -1e30            # finite "minus infinity" for masked logits (log2 domain) and the running-max init
+_MIN_BLOCK = 16         # Triton dots need every dimension >= 16
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------------------
+
+def _visible(q_pos, k_pos, *, causal, sliding_window):
+    """Position mask [.., q, k] (bool) or None when every pair is visible."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = None
+    if causal:
+        mask = diff >= 0
+    if sliding_window is not None:
+        win = diff < sliding_window if causal else jnp.abs(diff) < sliding_window
+        mask = win if mask is None else jnp.logical_and(mask, win)
+    return mask
+
+
+def flash_attention_reference(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale=None,
+                              sliding_window=None):
+    """Plain jnp attention with the same semantics as `flash_attention` (fp32 math, output in q.dtype).
+
+    GQA is done by reshaping q to [b, s, kv_heads, group, d] (K/V are not repeated). Rows with no visible key give 0.
+    """
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    scale = (1.0 / math.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    hp = lax.Precision.HIGHEST
+    qf = q.astype(jnp.float32).reshape(b, s, kvh, g, d)
+    kf = k.astype(jnp.float32)
+    vf = v.astype(jnp.float32)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", qf, kf, precision=hp) * scale          # [b, kv, g, q, s]
+    pos = jnp.arange(s)
+    mask = _visible(pos, pos, causal=causal, sliding_window=sliding_window)          # [q, s] or None
+    mask = jnp.ones((s, s), bool) if mask is None else mask
+    mask = jnp.broadcast_to(mask, (b, s, s))
+    if segment_ids is not None:
+        mask = jnp.logical_and(mask, segment_ids[:, :, None] == segment_ids[:, None, :])
+    mask = mask[:, None, None]                                                        # [b, 1, 1, q, s]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, vf, precision=hp)
+    return out.reshape(b, s, h, d).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Static configuration (hashable, passed as a nondiff argument of the custom_vjp)
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    backend: str
+    causal: bool
+    scale: float
+    window: int | None
+    seq_len: int          # real (unpadded) sequence length; arrays reaching the kernels are padded
+    block_q: int
+    block_k: int
+    block_q_bwd: int
+    block_k_bwd: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton-backend kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+def _dot(a, b, *, contract, precision):
+    """2-D matmul with fp32 accumulation; contract = (a_dim, b_dim)."""
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _tile_mask(q_start, bq, k_start, bk, q_seg, k_seg, cfg: _Config, pad: bool):
+    """bool [bq, bk] visibility of a (q tile, kv tile) pair, or None if nothing is ever masked (static)."""
+    q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
+    k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
+    mask = _visible(q_pos, k_pos, causal=cfg.causal, sliding_window=cfg.window)
+    if pad:
+        valid = jnp.broadcast_to((k_pos < cfg.seq_len)[None, :], (bq, bk))
+        mask = valid if mask is None else jnp.logical_and(mask, valid)
+    if q_seg is not None:
+        same = q_seg[:, None] == k_seg[None, :]
+        mask = same if mask is None else jnp.logical_and(mask, same)
+    return mask
+
+
+def _kv_block_range(q_start, bq, bk, cfg: _Config):
+    """[lo, hi) kv block indices that can hold a visible key for queries [q_start, q_start + bq)."""
+    if cfg.causal:
+        hi_key = jnp.minimum(q_start + bq, cfg.seq_len)
+    elif cfg.window is not None:
+        hi_key = jnp.minimum(q_start + bq - 1 + cfg.window, cfg.seq_len)
+    else:
+        hi_key = cfg.seq_len
+    hi = lax.div(hi_key + (bk - 1), bk)
+    lo = 0
+    if cfg.window is not None:
+        lo = lax.div(jnp.maximum(q_start - cfg.window + 1, 0), bk)
+    return lo, hi
+
+
+def _q_block_range(k_start, bk, bq, cfg: _Config):
+    """[lo, hi) q block indices that can see a key in [k_start, k_start + bk); padded query rows are skipped."""
+    lo = 0
+    if cfg.causal:
+        lo = lax.div(k_start, bq)
+    elif cfg.window is not None:
+        lo = lax.div(jnp.maximum(k_start - cfg.window + 1, 0), bq)
+    if cfg.window is not None:
+        hi_row = jnp.minimum(k_start + bk - 1 + cfg.window, cfg.seq_len)
+    else:
+        hi_row = cfg.seq_len
+    hi = lax.div(hi_row + (bq - 1), bq)
+    return lo, hi
+
+
+def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
+    if has_seg:
+        q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        qseg_ref = kseg_ref = None
+    bq, bk = cfg.block_q, cfg.block_k
+    d = q_ref.shape[-1]
+    prec = _precision(q_ref.dtype)
+    q_start = pl.program_id(0) * bq
+    q = q_ref[...]
+    q_seg = qseg_ref[...] if has_seg else None
+    scale2 = cfg.scale * _LOG2E
+
+    def body(j, carry):
+        acc, m, l = carry
+        k_start = j * bk
+        ks = pl.ds(k_start, bk)
+        kt = k_ref[ks, :]
+        vt = v_ref[ks, :]
+        s = _dot(q, kt, contract=(1, 1), precision=prec) * scale2                # [bq, bk] fp32, log2 domain
+        mask = _tile_mask(q_start, bq, k_start, bk, q_seg, kseg_ref[ks] if has_seg else None, cfg, pad)
+        if mask is not None:
+            s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)                                         # fully masked rows stay at 0
+        l = alpha * l + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + _dot(p.astype(vt.dtype), vt, contract=(1, 0), precision=prec)
+        return acc, m_new, l
+
+    lo, hi = _kv_block_range(q_start, bq, bk, cfg)
+    init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe))              # +inf: p = exp2(s - lse) = 0
+
+
+def _triton_fwd(q, k, v, seg, cfg: _Config):
+    """Padded inputs -> (out [b, s_pad, h, d] in q.dtype, lse [b, h, s_pad] fp32, log2 domain)."""
+    b, sp, h, d = q.shape
+    kvh = k.shape[2]
+    group = h // kvh
+    bq = cfg.block_q
+    has_seg = seg is not None
+    sq = pl.squeezed
+    in_specs = [
+        pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0)),
+        pl.BlockSpec((sq, sp, sq, d), lambda i, j, hh: (j, 0, hh // group, 0)),
+        pl.BlockSpec((sq, sp, sq, d), lambda i, j, hh: (j, 0, hh // group, 0)),
+    ]
+    args = [q, k, v]
+    if has_seg:
+        in_specs += [pl.BlockSpec((sq, bq), lambda i, j, hh: (j, i)),
+                     pl.BlockSpec((sq, sp), lambda i, j, hh: (j, 0))]
+        args += [seg, seg]
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, has_seg=has_seg, pad=sp != cfg.seq_len),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sp), jnp.float32)),
+        grid=(sp // bq, b, h),
+        in_specs=in_specs,
+        out_specs=(pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0)),
+                   pl.BlockSpec((sq, sq, bq), lambda i, j, hh: (j, hh, i))),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=cfg.interpret,
+        name="flash_attention_fwd",
+    )(*args)
+    return out, lse
+
+
+def _dkv_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, group: int):
+    if has_seg:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+        qseg_ref = kseg_ref = None
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    d = k_ref.shape[-1]
+    prec = _precision(k_ref.dtype)
+    scale2 = cfg.scale * _LOG2E
+    k_start = pl.program_id(0) * bk
+    kt = k_ref[...]
+    vt = v_ref[...]
+    k_seg = kseg_ref[...] if has_seg else None
+    lo, hi = _q_block_range(k_start, bk, bq, cfg)
+
+    def q_body(i, carry, g):
+        dk, dv = carry
+        q_start = i * bq
+        qs = pl.ds(q_start, bq)
+        qt = q_ref[qs, g, :]
+        dot_ = do_ref[qs, g, :]
+        lse = lse_ref[g, qs]
+        delta = delta_ref[g, qs]
+        s = _dot(qt, kt, contract=(1, 1), precision=prec) * scale2               # [bq, bk]
+        p = jnp.exp2(s - lse[:, None])
+        mask = _tile_mask(q_start, bq, k_start, bk, qseg_ref[qs] if has_seg else None, k_seg, cfg, pad)
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        dv = dv + _dot(p.astype(dot_.dtype), dot_, contract=(0, 0), precision=prec)
+        dp = _dot(dot_, vt, contract=(1, 1), precision=prec)                     # [bq, bk]
+        ds = p * (dp - delta[:, None])
+        dk = dk + _dot(ds.astype(qt.dtype), qt, contract=(0, 0), precision=prec)
+        return dk, dv
+
+    def g_body(g, carry):
+        return lax.fori_loop(lo, hi, functools.partial(q_body, g=g), carry)
+
+    init = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32))
+    if group == 1:
+        dk, dv = g_body(0, init)
+    else:
+        dk, dv = lax.fori_loop(0, group, g_body, init)
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
+    if has_seg:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
+        qseg_ref = kseg_ref = None
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    d = q_ref.shape[-1]
+    prec = _precision(q_ref.dtype)
+    scale2 = cfg.scale * _LOG2E
+    q_start = pl.program_id(0) * bq
+    qt = q_ref[...]
+    dot_ = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    q_seg = qseg_ref[...] if has_seg else None
+
+    def body(j, dq):
+        k_start = j * bk
+        ks = pl.ds(k_start, bk)
+        kt = k_ref[ks, :]
+        vt = v_ref[ks, :]
+        s = _dot(qt, kt, contract=(1, 1), precision=prec) * scale2
+        p = jnp.exp2(s - lse[:, None])
+        mask = _tile_mask(q_start, bq, k_start, bk, q_seg, kseg_ref[ks] if has_seg else None, cfg, pad)
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        dp = _dot(dot_, vt, contract=(1, 1), precision=prec)
+        ds = p * (dp - delta[:, None])
+        return dq + _dot(ds.astype(kt.dtype), kt, contract=(1, 0), precision=prec)
+
+    lo, hi = _kv_block_range(q_start, bq, bk, cfg)
+    dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, d), jnp.float32))
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _triton_bwd(q, k, v, seg, out, lse, do, cfg: _Config):
+    """Padded inputs -> (dq, dk, dv) in the input dtypes."""
+    b, sp, h, d = q.shape
+    kvh = k.shape[2]
+    group = h // kvh
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    has_seg = seg is not None
+    pad = sp != cfg.seq_len
+    sq = pl.squeezed
+    params = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))   # [b, h, sp] fp32
+
+    # dk / dv: grid over (kv blocks, batch, kv heads); q-side blocks cover the `group` query heads of the kv head.
+    in_specs = [
+        pl.BlockSpec((sq, sp, group, d), lambda i, j, kh: (j, 0, kh, 0)),       # q
+        pl.BlockSpec((sq, bk, sq, d), lambda i, j, kh: (j, i, kh, 0)),           # k
+        pl.BlockSpec((sq, bk, sq, d), lambda i, j, kh: (j, i, kh, 0)),           # v
+        pl.BlockSpec((sq, sp, group, d), lambda i, j, kh: (j, 0, kh, 0)),       # dO
+        pl.BlockSpec((sq, group, sp), lambda i, j, kh: (j, kh, 0)),              # lse
+        pl.BlockSpec((sq, group, sp), lambda i, j, kh: (j, kh, 0)),              # delta
+    ]
+    args = [q, k, v, do, lse, delta]
+    if has_seg:
+        in_specs += [pl.BlockSpec((sq, sp), lambda i, j, kh: (j, 0)),
+                     pl.BlockSpec((sq, bk), lambda i, j, kh: (j, i))]
+        args += [seg, seg]
+    kv_spec = pl.BlockSpec((sq, bk, sq, d), lambda i, j, kh: (j, i, kh, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, has_seg=has_seg, pad=pad, group=group),
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid=(sp // bk, b, kvh),
+        in_specs=in_specs,
+        out_specs=(kv_spec, kv_spec),
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="flash_attention_bwd_dkv",
+    )(*args)
+
+    # dq: grid over (q blocks, batch, heads).
+    in_specs = [
+        pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0)),           # q
+        pl.BlockSpec((sq, sp, sq, d), lambda i, j, hh: (j, 0, hh // group, 0)),  # k
+        pl.BlockSpec((sq, sp, sq, d), lambda i, j, hh: (j, 0, hh // group, 0)),  # v
+        pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0)),           # dO
+        pl.BlockSpec((sq, sq, bq), lambda i, j, hh: (j, hh, i)),                 # lse
+        pl.BlockSpec((sq, sq, bq), lambda i, j, hh: (j, hh, i)),                 # delta
+    ]
+    args = [q, k, v, do, lse, delta]
+    if has_seg:
+        in_specs += [pl.BlockSpec((sq, bq), lambda i, j, hh: (j, i)),
+                     pl.BlockSpec((sq, sp), lambda i, j, hh: (j, 0))]
+        args += [seg, seg]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, has_seg=has_seg, pad=pad),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(sp // bq, b, h),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0)),
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="flash_attention_bwd_dq",
+    )(*args)
+    return dq, dk, dv
+
+
+_IMPLS = {"triton": (_triton_fwd, _triton_bwd)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# custom_vjp (on padded arrays) and the public function
+# ----------------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, seg, cfg: _Config):
+    return _IMPLS[cfg.backend][0](q, k, v, seg, cfg)[0]
+
+
+def _flash_fwd(q, k, v, seg, cfg: _Config):
+    out, lse = _IMPLS[cfg.backend][0](q, k, v, seg, cfg)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(cfg: _Config, res, do):
+    q, k, v, seg, out, lse = res
+    dq, dk, dv = _IMPLS[cfg.backend][1](q, k, v, seg, out, lse, do, cfg)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _check_block(value, name):
+    if not isinstance(value, int) or isinstance(value, bool) or value < _MIN_BLOCK or not is_pow2(value):
+        raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {value!r}")
+
+
+def _validate(q, k, v, segment_ids, softmax_scale, sliding_window, blocks):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {getattr(x, 'shape', None)}")
+    b, s, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+    kb, ks, kvh, kd = k.shape
+    if kb != b:
+        raise ValueError(f"k/v batch ({kb}) must match q batch ({b})")
+    if ks != s:
+        raise ValueError(f"k/v seq ({ks}) must match q seq ({s}); cross-attention lengths are not supported")
+    if kd != d:
+        raise ValueError(f"k/v head_dim ({kd}) must match q head_dim ({d})")
+    if kvh <= 0 or h % kvh:
+        raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({kvh})")
+    if b <= 0 or s <= 0:
+        raise ValueError(f"batch and seq must be positive, got q shape {q.shape}")
+    if d < _MIN_BLOCK or not is_pow2(d):
+        raise ValueError(f"head_dim must be a power of two >= {_MIN_BLOCK} (e.g. 64, 128, 256), got {d}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of float32/bfloat16/float16, got {q.dtype}")
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (b, s):
+            raise ValueError(f"segment_ids must be [batch, seq] = {(b, s)}, got {tuple(segment_ids.shape)}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be an integer array, got {segment_ids.dtype}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    for name, value in blocks.items():
+        if value is not None:
+            _check_block(value, name)
+
+
+def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale=None, sliding_window=None,
+                    block_q: int = 64, block_k: int = 64, block_q_bwd: int | None = None,
+                    block_k_bwd: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                    interpret: bool | None = None, backend: str = "triton"):
+    """Fused attention; q [b, s, h, d], k/v [b, s, kv_h, d] -> [b, s, h, d] in q.dtype. Differentiable in q, k, v.
+
+    Block sizes are powers of two >= 16 (clamped down to the padded seq length); *_bwd default to the forward ones.
+    num_warps=None -> 4 for head_dim <= 64, else 8. interpret=None -> interpret mode on the CPU backend.
+    See the module docstring for masking semantics.
+    """
+    check_backend(backend, _IMPLS, "flash_attention")
+    _validate(q, k, v, segment_ids, softmax_scale, sliding_window,
+              {"block_q": block_q, "block_k": block_k, "block_q_bwd": block_q_bwd, "block_k_bwd": block_k_bwd})
+    b, s, h, d = q.shape
+    cap = max(_MIN_BLOCK, next_pow2(s))
+    bq, bk = min(block_q, cap), min(block_k, cap)
+    bqb = min(block_q_bwd or block_q, cap)
+    bkb = min(block_k_bwd or block_k, cap)
+    multiple = max(bq, bk, bqb, bkb)
+    sp = cdiv(s, multiple) * multiple
+    cfg = _Config(
+        backend=backend, causal=bool(causal),
+        scale=(1.0 / math.sqrt(d)) if softmax_scale is None else float(softmax_scale),
+        window=sliding_window, seq_len=s, block_q=bq, block_k=bk, block_q_bwd=bqb, block_k_bwd=bkb,
+        num_warps=num_warps if num_warps is not None else (4 if d <= 64 else 8),
+        num_stages=num_stages, interpret=resolve_interpret(interpret),
+    )
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    if sp != s:
+        padw = ((0, 0), (0, sp - s), (0, 0), (0, 0))
+        q, k, v = (jnp.pad(x, padw) for x in (q, k, v))
+        if seg is not None:
+            seg = jnp.pad(seg, ((0, 0), (0, sp - s)))
+    out = _flash(q, k, v, seg, cfg)
+    return out[:, :s] if sp != s else out

@@ -1,0 +1,275 @@
+"""Flash attention Pallas kernel: interpret-mode forward + gradients vs the jnp reference, and cuda lowering."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+
+# The package exports the function `flash_attention`, which shadows the submodule attribute of the same name.
+fa_mod = importlib.import_module("pallas_kernels.flash_attention")
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _rel(actual, expected):
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    scale = np.linalg.norm(e)
+    # An exactly-zero expected value (e.g. dq with sliding_window=1) is compared in absolute terms.
+    return float(np.linalg.norm(a - e) / (scale if scale > 0 else 1.0))
+
+
+def _segments(rng, batch, seq):
+    """Random packed documents: 2-4 documents per row, random cut points, ids increasing along the row."""
+    rows = []
+    for _ in range(batch):
+        n_docs = int(rng.integers(2, 5))
+        cuts = np.sort(rng.choice(np.arange(1, seq), size=n_docs - 1, replace=False))
+        row = np.zeros(seq, np.int32)
+        for c in cuts:
+            row[c:] += 1
+        rows.append(row)
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype, packed):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (batch, seq, heads, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (batch, seq, kv_heads, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (batch, seq, kv_heads, head_dim), jnp.float32).astype(dtype)
+    do = jax.random.normal(kd, (batch, seq, heads, head_dim), jnp.float32).astype(dtype)
+    seg = _segments(np.random.default_rng(seed), batch, seq) if packed else None
+    return q, k, v, do, seg
+
+
+def _fwd_bwd(fn):
+    @jax.jit  # one compile for forward + backward (interpret-mode compiles dominate the runtime)
+    def run(q, k, v, do):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(do))
+    return run
+
+
+def _check(seed, batch, seq, heads, kv_heads, head_dim, dtype, causal, packed, block_q, block_k, window=None,
+           block_q_bwd=None, block_k_bwd=None):
+    q, k, v, do, seg = _inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype, packed)
+    kw = dict(causal=causal, segment_ids=seg, sliding_window=window)
+    ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, block_q=block_q, block_k=block_k,
+                                                     block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
+                                                     interpret=True, **kw))(q, k, v, do)
+    f32 = lambda x: x.astype(jnp.float32)
+    # fp32 reference on the very same (possibly bf16-valued) inputs.
+    ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, **kw))(f32(q), f32(k), f32(v), f32(do))
+    errs = {}
+    for name, a, r, like in zip(("out", "dq", "dk", "dv"), ours, ref, (q, q, k, v)):
+        assert a.shape == like.shape and a.dtype == dtype, (name, a.shape, a.dtype)
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+        err = _rel(a, r)
+        if dtype == jnp.float32:
+            tol = 1e-5
+        else:
+            # The output/gradients are stored in bf16/fp16: even the exact result rounded once has a norm-relative
+            # error `floor` (~1.6e-3 for bf16); the kernel (P and dS rounded to the input dtype before their
+            # matmuls, as in FlashAttention-2) must stay within 2e-3 (bf16) / 5e-4 (fp16) on top of that floor.
+            floor = _rel(r.astype(dtype), r)
+            tol = floor + (2e-3 if dtype == jnp.bfloat16 else 5e-4)
+        errs[name] = err
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.3e}"
+    return errs
+
+
+# Grid covering GQA ratio {1, 2, 4, 8}, causal {T, F}, segments {with, without}, seq {40, 72 ragged; 64 exact},
+# head_dim {64, 128}, blocks {16, 32} (q != k blocks included), dtype {f32, bf16, f16}, without the full product.
+CASES = [
+    # id, seed, batch, seq, heads, kv_heads, head_dim, dtype, causal, packed, block_q, block_k
+    ("mha-causal-seg-s40-d64", 1, 2, 40, 4, 4, 64, jnp.float32, True, True, 16, 32),
+    ("gqa2-full-s72-d128", 2, 1, 72, 4, 2, 128, jnp.float32, False, False, 32, 16),
+    ("gqa4-causal-seg-s72-d64", 3, 1, 72, 8, 2, 64, jnp.float32, True, True, 32, 32),
+    ("gqa8-full-seg-s40-d64", 4, 2, 40, 8, 1, 64, jnp.float32, False, True, 16, 16),
+    ("gqa2-causal-s64exact-d128", 5, 1, 64, 4, 2, 128, jnp.float32, True, False, 16, 16),
+    ("gqa4-full-s40-d128", 6, 1, 40, 4, 1, 128, jnp.float32, False, False, 16, 32),
+    ("bf16-gqa2-causal-seg-s72-d128", 7, 1, 72, 4, 2, 128, jnp.bfloat16, True, True, 32, 16),
+    ("bf16-gqa8-full-s40-d64", 8, 2, 40, 8, 1, 64, jnp.bfloat16, False, False, 16, 32),
+    ("f16-mha-causal-s40-d64", 9, 1, 40, 2, 2, 64, jnp.float16, True, False, 16, 16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_flash_attention_matches_reference(case):
+    _, seed, batch, seq, heads, kv_heads, head_dim, dtype, causal, packed, bq, bk = case
+    _check(seed, batch, seq, heads, kv_heads, head_dim, dtype, causal, packed, bq, bk)
+
+
+@pytest.mark.parametrize("causal,window,packed,blocks", [
+    (True, 20, True, (16, 16)),      # window spans ~1.3 blocks: skips kv blocks left of the window
+    (False, 9, False, (32, 16)),     # symmetric window |i - j| < 9
+    (True, 1, False, (16, 16)),      # attend to self only
+], ids=["causal-w20-seg", "full-w9", "causal-w1"])
+def test_flash_attention_sliding_window(causal, window, packed, blocks):
+    _check(11 + window, 1, 72, 4, 2, 64, jnp.float32, causal, packed, *blocks, window=window)
+
+
+def test_flash_attention_separate_backward_blocks_and_head_dim_256():
+    _check(21, 1, 40, 2, 1, 256, jnp.float32, True, True, 32, 16, block_q_bwd=16, block_k_bwd=32)
+
+
+def test_flash_attention_window_self_only_equals_v():
+    # sliding_window=1: every query sees only its own key, so out == v of its kv head.
+    q, k, v, _, _ = _inputs(31, 1, 40, 4, 2, 64, jnp.float32, False)
+    out = flash_attention(q, k, v, sliding_window=1, block_q=16, block_k=16, interpret=True)
+    np.testing.assert_allclose(out, jnp.repeat(v, 2, axis=2), rtol=1e-6, atol=1e-6)
+
+
+def test_flash_attention_fully_masked_rows_no_nan():
+    """Rows with no visible key give 0 output and zero gradients (no NaN) in the kernels and in the reference.
+
+    Through the public API every query sees itself, so fully masked rows only arise inside the kernels: with
+    seq=40 padded to 64 and a causal window of 4, padded query rows 43..63 see only padded (masked) keys.
+    """
+    seq, window = 40, 4
+    q, k, v, do, seg = _inputs(41, 1, seq, 4, 2, 64, jnp.float32, True)
+    cfg = fa_mod._Config(backend="triton", causal=True, scale=0.125, window=window, seq_len=seq, block_q=32,
+                         block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4, num_stages=2, interpret=True)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 64 - seq)) + ((0, 0),) * (x.ndim - 2))
+    qp, kp, vp, dop, segp = map(pad, (q, k, v, do, seg))
+    dop = dop.at[:, seq:].set(1.0)  # nonzero cotangent on the fully masked rows
+    out, lse = fa_mod._triton_fwd(qp, kp, vp, segp, cfg)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert np.all(out[:, seq + window - 1:] == 0.0) and np.all(np.isfinite(out))
+    assert np.all(np.isposinf(lse[:, :, seq + window - 1:])) and np.all(np.isfinite(lse[:, :, :seq]))
+    dq, dk, dv = fa_mod._triton_bwd(qp, kp, vp, segp, jnp.asarray(out), jnp.asarray(lse), dop, cfg)
+    for g in (dq, dk, dv):
+        assert np.all(np.isfinite(np.asarray(g)))
+    assert np.all(np.asarray(dq)[:, seq + window - 1:] == 0.0)
+    assert np.all(np.asarray(dk)[:, seq:] == 0.0) and np.all(np.asarray(dv)[:, seq:] == 0.0)
+    # Real rows agree with the reference on the unpadded problem.
+    kw = dict(causal=True, segment_ids=seg, sliding_window=window, softmax_scale=0.125)
+    ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, **kw))(q, k, v, do)
+    for a, r in zip((out, dq, dk, dv), ref):
+        assert _rel(np.asarray(a)[:, :seq], r) <= 1e-5
+
+
+def test_reference_fully_masked_row_is_zero(monkeypatch):
+    # Force an all-False row into the reference's position mask: output 0 there, gradients finite.
+    orig = fa_mod._visible
+
+    def visible(q_pos, k_pos, **kw):
+        m = orig(q_pos, k_pos, **kw)
+        m = jnp.ones((q_pos.shape[0], k_pos.shape[0]), bool) if m is None else m
+        return m.at[3].set(False)
+
+    monkeypatch.setattr(fa_mod, "_visible", visible)
+    q, k, v, do, _ = _inputs(51, 1, 8, 2, 1, 64, jnp.float32, False)
+    out, dq, dk, dv = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, causal=False))(q, k, v, do)
+    assert np.all(np.asarray(out)[:, 3] == 0.0)
+    for g in (out, dq, dk, dv):
+        assert np.all(np.isfinite(np.asarray(g)))
+    assert np.all(np.asarray(dq)[:, 3] == 0.0)
+
+
+def test_flash_attention_pallas_calls_auto_interpret_and_jit_grad():
+    q, k, v, do, seg = _inputs(61, 1, 24, 4, 2, 64, jnp.float32, True)
+    fn = lambda q, k, v: flash_attention(q, k, v, segment_ids=seg, block_q=16, block_k=16)  # interpret auto (CPU)
+    assert str(jax.make_jaxpr(fn)(q, k, v)).count("pallas_call") == 1
+    _, vjp = jax.vjp(fn, q, k, v)
+    assert str(jax.make_jaxpr(vjp)(do)).count("pallas_call") == 2  # dk/dv kernel + dq kernel
+    loss = lambda f: (lambda q, k, v: jnp.sum(jnp.tanh(f(q, k, v))))
+    ref = lambda q, k, v: flash_attention_reference(q, k, v, segment_ids=seg)
+    ours = jax.jit(jax.grad(loss(fn), (0, 1, 2)))(q, k, v)
+    theirs = jax.jit(jax.grad(loss(ref), (0, 1, 2)))(q, k, v)
+    for a, b in zip(ours, theirs):
+        assert _rel(a, b) <= 1e-5
+
+
+def test_loop_bounds_skip_masked_blocks():
+    """The kv loop of a q block (forward, dq) and the q loop of a kv block (dk/dv) only visit blocks that can hold
+    a visible pair: nothing above the causal diagonal, nothing left of / beyond the window, no padded blocks."""
+    cfg = lambda causal, window, seq_len: fa_mod._Config(
+        backend="triton", causal=causal, scale=1.0, window=window, seq_len=seq_len, block_q=16, block_k=16,
+        block_q_bwd=16, block_k_bwd=16, num_warps=4, num_stages=2, interpret=True)
+    kv = lambda q_start, c: tuple(int(x) for x in fa_mod._kv_block_range(q_start, 16, 16, c))
+    qr = lambda k_start, c: tuple(int(x) for x in fa_mod._q_block_range(k_start, 16, 16, c))
+    assert kv(32, cfg(True, None, 128)) == (0, 3)           # causal: blocks 0..2 for queries 32..47
+    assert kv(32, cfg(False, None, 100)) == (0, 7)          # full: all 7 real blocks, not the padded 8th
+    assert kv(64, cfg(True, 20, 128)) == (2, 5)             # causal window 20: keys 45..79
+    assert kv(64, cfg(False, 20, 128)) == (2, 7)            # symmetric window: keys 45..98
+    assert qr(48, cfg(True, None, 100)) == (3, 7)           # dk/dv: q blocks from the diagonal to the last real
+    assert qr(48, cfg(True, 20, 128)) == (3, 6)             # ... and not beyond the window (rows <= 82)
+    assert qr(48, cfg(False, 20, 128)) == (1, 6)            # rows 29..82
+
+
+def test_package_exports():
+    assert pallas_kernels.flash_attention is flash_attention
+    assert pallas_kernels.flash_attention_reference is flash_attention_reference
+
+
+def test_flash_attention_validation():
+    q = jnp.zeros((1, 32, 4, 64))
+    kv = jnp.zeros((1, 32, 2, 64))
+    seg = jnp.zeros((1, 32), jnp.int32)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        flash_attention(q, jnp.zeros((1, 32, 3, 64)), jnp.zeros((1, 32, 3, 64)))
+    with pytest.raises(ValueError, match="k .* and v .* same shape"):
+        flash_attention(q, kv, jnp.zeros((1, 32, 1, 64)))
+    with pytest.raises(ValueError, match="batch"):
+        flash_attention(q, jnp.zeros((2, 32, 2, 64)), jnp.zeros((2, 32, 2, 64)))
+    with pytest.raises(ValueError, match="seq"):
+        flash_attention(q, jnp.zeros((1, 16, 2, 64)), jnp.zeros((1, 16, 2, 64)))
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attention(q, jnp.zeros((1, 32, 2, 128)), jnp.zeros((1, 32, 2, 128)))
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        flash_attention(jnp.zeros((1, 32, 4, 96)), jnp.zeros((1, 32, 2, 96)), jnp.zeros((1, 32, 2, 96)))
+    with pytest.raises(ValueError, match=r"q must be \[batch, seq, heads, head_dim\]"):
+        flash_attention(q[0], kv, kv)
+    with pytest.raises(ValueError, match="segment_ids must be"):
+        flash_attention(q, kv, kv, segment_ids=jnp.zeros((1, 31), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids must be an integer"):
+        flash_attention(q, kv, kv, segment_ids=seg.astype(jnp.float32))
+    with pytest.raises(ValueError, match="share a dtype"):
+        flash_attention(q, kv.astype(jnp.bfloat16), kv)
+    with pytest.raises(ValueError, match="dtype must be"):
+        flash_attention(q.astype(jnp.int32), kv.astype(jnp.int32), kv.astype(jnp.int32))
+    with pytest.raises(ValueError, match="block_q must be a power of two >= 16"):
+        flash_attention(q, kv, kv, block_q=48)
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
+        flash_attention(q, kv, kv, block_k=8)
+    with pytest.raises(ValueError, match="block_k_bwd"):
+        flash_attention(q, kv, kv, block_k_bwd=24)
+    with pytest.raises(ValueError, match="sliding_window"):
+        flash_attention(q, kv, kv, sliding_window=0)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attention(q, kv, kv, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="backend"):
+        flash_attention(q, kv, kv, backend="mosaic_gpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lowering for cuda (no GPU needed) at Llama-3-8B shapes, bf16
+# ---------------------------------------------------------------------------------------------------------------
+
+def _lower_cuda(fn, *specs):
+    return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("seq,window", [(8192, None), (4096, 1024)], ids=["s8192", "s4096-window"])
+def test_flash_attention_lowers_for_cuda_llama3_8b(seq, window):
+    S = jax.ShapeDtypeStruct
+    q, kv = S((1, seq, 32, 128), jnp.bfloat16), S((1, seq, 8, 128), jnp.bfloat16)
+    seg = S((1, seq), jnp.int32)
+    fwd = lambda q, k, v, s: flash_attention(q, k, v, segment_ids=s, sliding_window=window, block_q=128,
+                                             block_k=64, interpret=False)
+    text = _lower_cuda(fwd, q, kv, kv, seg)
+    assert text.count(TRITON) == 1 and "flash_attention_fwd" in text
+
+    def fwd_bwd(q, k, v, s, do):
+        out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, s), q, k, v)
+        return out, vjp(do)
+
+    text = _lower_cuda(fwd_bwd, q, kv, kv, seg, q)
+    assert text.count(TRITON) == 3
+    assert "flash_attention_bwd_dkv" in text and "flash_attention_bwd_dq" in text
