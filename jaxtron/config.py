@@ -63,7 +63,10 @@ class ModelConfig:
     tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
     qkv_bias: bool = _f(False, "Bias on the Q/K/V projections (Qwen2).")
     initializer_range: float = _f(0.02, "Std of the normal init; output projections use std/sqrt(2*num_layers).")
-    attention: str = _f("xla", "Attention implementation: 'xla' (reference, any device) or 'cudnn' (GPU).")
+    attention_impl: str = _f("xla", "Attention: 'xla' (reference, any device), 'cudnn' (GPU) or 'pallas' (jaxtron's "
+                                    "flash attention; GPU, or interpret mode on CPU: exact but slow).")
+    rope_impl: str = _f("xla", "Rotary embedding: 'xla' or 'pallas' (fused q/k kernel; interpret mode on CPU).")
+    mlp_impl: str = _f("xla", "SwiGLU activation: 'xla' or 'pallas' (fused kernel; interpret mode on CPU).")
     remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
     dtype: str = _f("auto", "Compute dtype for matmuls and activations; 'auto': bfloat16 on GPU/TPU, float32 on "
                             "CPU (where bf16 matmuls are emulated and slower).")
@@ -259,7 +262,8 @@ def fields_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, st
 
 # -------------------------------------------------------------------------------------------- validation
 
-ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
+KERNEL_IMPLS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -301,8 +305,10 @@ def validate(cfg: Config) -> Config:
     _check(head_dim(m) % 2 == 0, "model.head_dim", f"must be even for RoPE, got {head_dim(m)}")
     _check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
            f"model.num_heads={m.num_heads} is not divisible by num_kv_heads={m.num_kv_heads}")
-    _check(m.attention in ATTENTION_IMPLS, "model.attention",
-           f"{m.attention!r} is not one of {ATTENTION_IMPLS} ('pallas' comes with the kernels issue)")
+    _check(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
+           f"{m.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+    for name in ("rope_impl", "mlp_impl"):
+        _check(getattr(m, name) in KERNEL_IMPLS, f"model.{name}", f"{getattr(m, name)!r} is not one of {KERNEL_IMPLS}")
     _check(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")
     _check(m.dtype in DTYPES + ("auto",), "model.dtype", f"{m.dtype!r} is not one of {DTYPES + ('auto',)}")
     _check(m.param_dtype in DTYPES, "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES}")
@@ -409,9 +415,13 @@ def resolve_mesh_shape(p: ParallelConfig, num_devices: int) -> dict[str, int]:
 
 def validate_for_devices(cfg: Config, num_devices: int, platform: Optional[str] = None) -> dict[str, int]:
     """Device-dependent checks (mesh size, batch divisibility, GPU-only choices); returns the mesh shape."""
-    if platform is not None and cfg.model.attention == "cudnn":
-        _check(platform in ("gpu", "cuda"), "model.attention",
-               f"'cudnn' needs an NVIDIA GPU; the devices here are {platform!r} (use model.attention=xla)")
+    if platform is not None and cfg.model.attention_impl == "cudnn":
+        _check(platform in ("gpu", "cuda"), "model.attention_impl",
+               f"'cudnn' needs an NVIDIA GPU; the devices here are {platform!r} (use model.attention_impl=xla)")
+    if platform is not None:
+        for name in ("attention_impl", "rope_impl", "mlp_impl"):
+            _check(getattr(cfg.model, name) != "pallas" or platform in ("gpu", "cuda", "cpu"), f"model.{name}",
+                   f"'pallas' kernels are Triton (NVIDIA GPU; interpret mode on CPU), not {platform!r}")
     sizes = resolve_mesh_shape(cfg.parallel, num_devices)
     t, m = cfg.train, cfg.model
     _check_batch(t, sizes["data"] * sizes["fsdp"])

@@ -21,7 +21,7 @@ CPU_FIT = {"llama3_70b.yaml": ["parallel.fsdp=1", "parallel.tensor=8"]}
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
 def test_preset_train_step_lowers(path):
     name = os.path.basename(path)
-    overrides = ["model.attention=xla"] + CPU_FIT.get(name, [])
+    overrides = ["model.attention_impl=xla"] + CPU_FIT.get(name, [])
     cfg = config_lib.load(path, overrides)
     t0 = time.perf_counter()
     lowered = lower_train_step(cfg, jax.devices())

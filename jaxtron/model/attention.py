@@ -1,4 +1,6 @@
-"""Attention dispatch: 'xla' (plain jnp reference, any device) or 'cudnn' (jax.nn.dot_product_attention).
+"""Attention dispatch: 'xla' (plain jnp reference, any device), 'cudnn' (jax.nn.dot_product_attention) or
+'pallas' (``pallas_kernels.flash_attention``, run per shard: batch and heads split as the rules say, the
+sequence whole).
 
 q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; causal; ``segment_ids``
 [batch, seq] (equal ids attend to each other: packed documents) or None. Softmax statistics are fp32.
@@ -10,6 +12,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from jaxtron.parallel.sharding import per_shard
 
 
 def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
@@ -36,12 +40,26 @@ def cudnn_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> 
                                         implementation="cudnn")
 
 
-IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention}
+Q_NAMES = ("act_batch", None, "act_heads", None)
+KV_NAMES = ("act_batch", None, "act_kv_heads", None)
+
+
+def pallas_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
+    from pallas_kernels.flash_attention import flash_attention
+
+    def kernel(q, k, v, segment_ids):
+        return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, softmax_scale=scale)
+
+    seg_names = ("act_batch", None) if segment_ids is not None else None
+    return per_shard(kernel, (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), Q_NAMES)(q, k, v, segment_ids)
+
+
+IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention}
 
 
 def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: Optional[float] = None):
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"model.attention: unknown implementation {implementation!r}; "
+        raise ValueError(f"model.attention_impl: unknown implementation {implementation!r}; "
                          f"choose from {tuple(IMPLEMENTATIONS)}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")

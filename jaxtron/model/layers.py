@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig, head_dim
 from jaxtron.model.attention import attention
-from jaxtron.parallel.sharding import constrain
+from jaxtron.parallel.sharding import constrain, per_shard
 
 
 def param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
@@ -57,6 +57,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+def pallas_rope(q, k, positions, inv_freq):
+    """The fused q/k RoPE kernel (``pallas_kernels.apply_rope``), per shard."""
+    from pallas_kernels.rope import apply_rope as fused_rope
+    q_names = ("act_batch", "act_seq", "act_heads", None)
+    k_names = ("act_batch", "act_seq", "act_kv_heads", None)
+    return per_shard(fused_rope, (q_names, k_names, ("act_batch", "act_seq"), (None,)),
+                     [q_names, k_names])(q, k, positions.astype(jnp.int32), inv_freq)
+
+
+def pallas_swiglu(gate, up):
+    """silu(gate) * up with the fused kernel (``pallas_kernels.swiglu``), per shard."""
+    from pallas_kernels.swiglu import swiglu
+    names = ("act_batch", "act_seq", "act_mlp")
+    return per_shard(swiglu, (names, names), names)(gate, up)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, head_dim(cfg)
@@ -82,8 +98,11 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out = attention(q, k, v, segment_ids, implementation=self.cfg.attention)
+        if self.cfg.rope_impl == "pallas":
+            q, k = pallas_rope(q, k, positions, inv_freq)
+        else:
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dt))
 
@@ -96,10 +115,12 @@ class SwiGLU(nnx.Module):
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std, pd)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
+        self.mlp_impl = cfg.mlp_impl
 
     def __call__(self, x):
         dt = x.dtype
         gate = jnp.einsum("bsd,df->bsf", x, self.w_gate[...].astype(dt))
         up = jnp.einsum("bsd,df->bsf", x, self.w_up[...].astype(dt))
-        h = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
+        h = pallas_swiglu(gate, up) if self.mlp_impl == "pallas" else jax.nn.silu(gate) * up
+        h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
         return jnp.einsum("bsf,fd->bsd", h, self.w_down[...].astype(dt))

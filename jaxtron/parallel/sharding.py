@@ -75,3 +75,38 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules) -> dict:
     """Pure dict of NamedShardings for an nnx State whose Variables carry ``out_sharding`` logical names."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_spec(tuple(spec), rules)),
                         logical_names(abstract_state), is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def per_shard(fn, in_names: Sequence, out_names):
+    """``fn`` run on each device's shard (``jax.shard_map``): every argument and result is split as its
+    logical names map under the current rules; mesh axes a name does not map to are replicated. ``out_names``
+    is a tuple of names for one result, a list of such tuples for a tuple of results. This is how
+    per-device kernels (Pallas) compose with data, FSDP and tensor parallelism. ``None`` in ``in_names``
+    marks an argument passed as is (e.g. an absent optional input). Outside a mesh + rules context, ``fn``
+    itself is returned."""
+    ctx = getattr(_STATE, "ctx", None)
+    if ctx is None:
+        return fn
+    rules, mesh = ctx
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or mesh.empty:
+            return fn
+    spec = lambda names: logical_to_spec(names, rules)
+    # one result: a tuple of names; several: a list of them
+    out_specs = tuple(spec(n) for n in out_names) if isinstance(out_names, list) else spec(out_names)
+
+    def call(*args):
+        keep = [i for i, names in enumerate(in_names) if names is not None]
+
+        def body(*sharded):
+            full = list(args)
+            for i, a in zip(keep, sharded):
+                full[i] = a
+            return fn(*full)
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec(in_names[i]) for i in keep),
+                               out_specs=out_specs, check_vma=False)
+        return mapped(*(args[i] for i in keep))
+
+    return call
