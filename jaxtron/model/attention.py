@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxtron.parallel.sharding import per_shard
+from jaxtron.parallel.sharding import kernel_interpret, per_shard
 
 
 def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
@@ -47,8 +47,11 @@ KV_NAMES = ("act_batch", None, "act_kv_heads", None)
 def pallas_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
     from pallas_kernels.flash_attention import flash_attention
 
+    interpret = kernel_interpret()
+
     def kernel(q, k, v, segment_ids):
-        return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, softmax_scale=scale)
+        return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, softmax_scale=scale,
+                               interpret=interpret)
 
     seg_names = ("act_batch", None) if segment_ids is not None else None
     return per_shard(kernel, (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), Q_NAMES)(q, k, v, segment_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -10,7 +11,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig, head_dim
 from jaxtron.model.attention import attention
-from jaxtron.parallel.sharding import constrain, per_shard
+from jaxtron.parallel.sharding import constrain, kernel_interpret, per_shard
 
 
 def param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
@@ -62,7 +63,8 @@ def pallas_rope(q, k, positions, inv_freq):
     from pallas_kernels.rope import apply_rope as fused_rope
     q_names = ("act_batch", "act_seq", "act_heads", None)
     k_names = ("act_batch", "act_seq", "act_kv_heads", None)
-    return per_shard(fused_rope, (q_names, k_names, ("act_batch", "act_seq"), (None,)),
+    kernel = functools.partial(fused_rope, interpret=kernel_interpret())
+    return per_shard(kernel, (q_names, k_names, ("act_batch", "act_seq"), (None,)),
                      [q_names, k_names])(q, k, positions.astype(jnp.int32), inv_freq)
 
 
@@ -70,7 +72,7 @@ def pallas_swiglu(gate, up):
     """silu(gate) * up with the fused kernel (``pallas_kernels.swiglu``), per shard."""
     from pallas_kernels.swiglu import swiglu
     names = ("act_batch", "act_seq", "act_mlp")
-    return per_shard(swiglu, (names, names), names)(gate, up)
+    return per_shard(functools.partial(swiglu, interpret=kernel_interpret()), (names, names), names)(gate, up)
 
 
 class Attention(nnx.Module):
