@@ -1,0 +1,147 @@
+"""Time the Pallas kernels against the XLA reference (and cuDNN for attention) at Llama-3-8B shapes on a GPU.
+
+    python scripts/bench_kernels.py [--seq 2048 4096 8192] [--batch 1] [--iters 20] [--packed] [--json]
+
+Shapes: heads 32, kv heads 8, head_dim 128, bf16; MLP width 14336. Each case is timed forward and
+forward+backward (gradient of the sum w.r.t. every input) after a warm-up; the median of ``--iters`` runs.
+Attention TFLOP/s count the causal half of the score matrix: 4 * b * s^2/2 * heads * head_dim forward
+(two matmuls), 3.5x that for forward+backward (the backward has five), as FlashAttention's papers count.
+``--packed`` also runs each attention with 4 packed documents per row (segment ids; cuDNN gets the
+equivalent dense mask, which is what jaxtron's 'cudnn' attention does). On a machine without a GPU it says
+so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--packed", action="store_true", help="also time packed documents (segment ids)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def _time(fn, *args, iters: int) -> float:
+    import jax
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fwd_bwd(f, argnums):
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=argnums))
+
+
+def attention_cases(seq: int, batch: int, packed: bool, iters: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+
+    h, kv, d = 32, 8, 128
+    keys = jax.random.split(jax.random.key(seq), 3)
+    q = jax.random.normal(keys[0], (batch, seq, h, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, kv, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seq, kv, d), jnp.bfloat16)
+    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None].repeat(batch, 0) if packed else None
+    impls = {
+        "pallas": lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg),
+        "xla": lambda q, k, v: flash_attention_reference(q, k, v, causal=True, segment_ids=seg),
+    }
+
+    def cudnn(q, k, v):
+        mask = None if seg is None else (seg[:, :, None] == seg[:, None, :])[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="cudnn")
+    impls["cudnn"] = cudnn
+
+    flops_fwd = 4 * batch * seq * seq / 2 * h * d
+    rows = []
+    for name, f in impls.items():
+        for mode, fn, flops in (("fwd", jax.jit(f), flops_fwd), ("fwd+bwd", _fwd_bwd(f, (0, 1, 2)), 3.5 * flops_fwd)):
+            row = {"kernel": "attention", "impl": name, "mode": mode, "seq": seq, "packed": packed}
+            try:
+                s = _time(fn, q, k, v, iters=iters)
+                row.update(ms=s * 1e3, tflops=flops / s / 1e12)
+            except Exception as err:  # e.g. cuDNN missing, or out of memory for the XLA reference
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            rows.append(row)
+    return rows
+
+
+def elementwise_cases(seq: int, batch: int, iters: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.rope import apply_rope, rope_inv_freq, rope_reference
+    from pallas_kernels.swiglu import swiglu, swiglu_reference
+
+    h, kv, d, ffn = 32, 8, 128, 14336
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (batch, seq, h, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, kv, d), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    inv = rope_inv_freq(d, 500000.0)
+    gate = jax.random.normal(keys[2], (batch * seq, ffn), jnp.bfloat16)
+    up = jax.random.normal(keys[3], (batch * seq, ffn), jnp.bfloat16)
+    cases = {
+        ("rope", "pallas"): (lambda q, k: sum(x.astype(jnp.float32).sum() for x in apply_rope(q, k, pos, inv)),
+                             (q, k)),
+        ("rope", "xla"): (lambda q, k: rope_reference(q, pos, inv).astype(jnp.float32).sum()
+                          + rope_reference(k, pos, inv).astype(jnp.float32).sum(), (q, k)),
+        ("swiglu", "pallas"): (lambda g, u: swiglu(g, u), (gate, up)),
+        ("swiglu", "xla"): (lambda g, u: swiglu_reference(g, u), (gate, up)),
+    }
+    rows = []
+    for (kernel, impl), (f, args) in cases.items():
+        nbytes = sum(a.size * a.dtype.itemsize for a in args)
+        for mode, fn, traffic in (("fwd", jax.jit(f), 2 * nbytes), ("fwd+bwd", _fwd_bwd(f, (0, 1)), 4 * nbytes)):
+            s = _time(fn, *args, iters=iters)
+            rows.append({"kernel": kernel, "impl": impl, "mode": mode, "seq": seq, "ms": s * 1e3,
+                         "gb_s": traffic / s / 1e9})
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    if jax.default_backend() != "gpu":
+        print(f"bench_kernels.py needs an NVIDIA GPU; JAX's backend here is {jax.default_backend()!r}. "
+              "Nothing timed.")
+        return 0
+    rows = []
+    for seq in args.seq:
+        rows += attention_cases(seq, args.batch, False, args.iters)
+        if args.packed:
+            rows += attention_cases(seq, args.batch, True, args.iters)
+        rows += elementwise_cases(seq, args.batch, args.iters)
+    if args.json:
+        print(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}))
+        return 0
+    print(f"device: {jax.devices()[0].device_kind}; batch {args.batch}, bf16")
+    for r in rows:
+        what = f"{r['kernel']:9s} {r['impl']:6s} {r['mode']:8s} seq {r['seq']:5d}" + (" packed" if r.get("packed")
+                                                                                      else "")
+        if "error" in r:
+            print(f"{what}  {r['error']}")
+        elif "tflops" in r:
+            print(f"{what}  {r['ms']:8.3f} ms  {r['tflops']:7.1f} TFLOP/s")
+        else:
+            print(f"{what}  {r['ms']:8.3f} ms  {r['gb_s']:7.1f} GB/s (inputs+outputs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
