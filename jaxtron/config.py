@@ -129,6 +129,9 @@ class TrainConfig:
     eval_batches: int = _f(4, "Batches of global_batch_size per evaluation.")
     peak_tflops: Optional[float] = _f(None, "Peak dense bf16 TFLOP/s per device for MFU; default from the "
                                             "known-GPU table, none on CPU.")
+    collective_timeout_s: int = _f(100, "Multi-process runs: a process that stops answering for this long "
+                                        "(crashed, hung, lost node) makes the others exit with an error "
+                                        "instead of waiting forever.")
     max_skipped_steps: int = _f(10, "A step whose loss or gradient norm is not finite is skipped (no update); "
                                     "after this many in a row the run saves a checkpoint and stops.")
 
@@ -153,6 +156,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistributedConfig:
+    coordinator: Optional[str] = _f(None, "host:port of process 0's coordinator for a multi-process run "
+                                          "(env JAXTRON_COORDINATOR). Under SLURM or Open MPI it is found "
+                                          "automatically.")
+    num_processes: Optional[int] = _f(None, "Processes in the run (env JAXTRON_NUM_PROCESSES).")
+    process_id: Optional[int] = _f(None, "This process's index, 0..num_processes-1 (env JAXTRON_PROCESS_ID).")
+    initialization_timeout_s: int = _f(300, "How long processes wait for each other at start-up.")
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = _f(10, "Log metrics every N steps.")
     tensorboard: bool = _f(True, "Write TensorBoard events to <train.output_dir>/tensorboard.")
@@ -168,6 +181,7 @@ class Config:
     data: DataConfig = _f(doc="Training data.", factory=DataConfig)
     train: TrainConfig = _f(doc="The training run.", factory=TrainConfig)
     checkpoint: CheckpointConfig = _f(doc="Checkpoints.", factory=CheckpointConfig)
+    distributed: DistributedConfig = _f(doc="Joining a multi-process (multi-node) run.", factory=DistributedConfig)
     logging: LoggingConfig = _f(doc="Metrics and terminal output.", factory=LoggingConfig)
 
 
@@ -371,6 +385,12 @@ def validate(cfg: Config) -> Config:
     _check(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
     _check(c.dir is None or bool(c.dir), "checkpoint.dir", "must not be empty")
     _check(c.load_weights is None or bool(c.load_weights), "checkpoint.load_weights", "must not be empty")
+    _check(t.collective_timeout_s >= 1, "train.collective_timeout_s", f"must be >= 1, got {t.collective_timeout_s}")
+    dd = cfg.distributed
+    _check(dd.num_processes is None or dd.num_processes >= 1, "distributed.num_processes",
+           f"must be >= 1, got {dd.num_processes}")
+    _check(dd.process_id is None or dd.process_id >= 0, "distributed.process_id", f"must be >= 0, got {dd.process_id}")
+    _check(dd.initialization_timeout_s >= 1, "distributed.initialization_timeout_s", "must be >= 1")
     _check(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     _positive(cfg.logging, "logging", ["log_every"])
     _check(cfg.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level",

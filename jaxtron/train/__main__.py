@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_lib.load(args.config, args.overrides)
+        from jaxtron.parallel.distributed import initialize
+        initialize(cfg)  # before anything touches the devices
         from jaxtron.train.loop import run  # imports jax: after the config is known to be good
         import jax
         config_lib.validate_for_devices(cfg, jax.device_count(), jax.devices()[0].platform)
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
     except TrainingAborted as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    if jax.process_index() != 0:
+        return 0
     if result.stopped_by:
         print(f"stopped by {result.stopped_by} at step {result.final_step} of {cfg.train.steps}; the next start "
               f"resumes from there")

@@ -145,7 +145,8 @@ class Run:
         """The data-iterator state: batch k is a pure function of these settings and k."""
         d, t = self.cfg.data, self.cfg.train
         return {"next_step": next_step, "source": d.source, "paths": d.paths, "split": d.split,
-                "seq_len": d.seq_len, "seed": t.seed, "global_batch_size": t.global_batch_size}
+                "seq_len": d.seq_len, "seed": t.seed, "global_batch_size": t.global_batch_size,
+                "num_samples": t.steps * t.global_batch_size}  # the sample shuffle depends on it, as Megatron's
 
     def _save(self, ckpt: Optional[Checkpointer], step: int, skipped: dict) -> None:
         if ckpt is None:
@@ -285,7 +286,8 @@ class _StderrHandler(logging.StreamHandler):
 def setup_logging(level: str) -> None:
     """jaxtron's log lines on stderr. A handler of its own: absl (imported by Orbax) claims the root logger."""
     logger = logging.getLogger("jaxtron")
-    logger.setLevel(getattr(logging, level.upper()))
+    # one voice: processes other than 0 report only warnings and errors
+    logger.setLevel(getattr(logging, level.upper()) if jax.process_index() == 0 else logging.WARNING)
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
