@@ -1,0 +1,79 @@
+"""``python -m jaxtron.generate --checkpoint CKPT --prompt TEXT [--prompt TEXT ...]``: sample continuations.
+
+    python -m jaxtron.generate --checkpoint runs/tiny/checkpoints --prompt "def main(" --max-new-tokens 64
+    python -m jaxtron.generate --checkpoint hf/Llama-3.2-1B --prompt "The capital of France is" \\
+        --temperature 0.7 --top-p 0.9 --seed 1
+
+CKPT is a jaxtron checkpoint (training run's ``checkpoints`` directory, one step directory of it, or the
+output of ``python -m jaxtron.convert import-hf``) or a Hugging Face folder (has ``config.json``). The
+tokenizer defaults to ``byte`` (the built-in corpus's byte-level tokenizer, end-of-document 0) for jaxtron
+checkpoints and to the folder's ``tokenizer.json`` for Hugging Face folders. Generation stops at the
+tokenizer's end-of-document token. Prints each prompt followed by its continuation (``--json``: one JSON
+object per prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxtron.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="a jaxtron checkpoint or a Hugging Face folder")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="a prompt (repeat for a batch of prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt [default: 64]")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy [default: 0]")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1] [default: 1]")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
+    p.add_argument("--tokenizer", default=None,
+                   help="byte, a tokenizer.json or a SentencePiece .model [default: byte for jaxtron "
+                        "checkpoints, the folder's tokenizer.json for Hugging Face folders]")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype [default: the checkpoint's]")
+    p.add_argument("--no-cache", action="store_true", help="recompute the full forward every step (slow)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from jaxtron.checkpoint import CheckpointError
+    from jaxtron.config import ConfigError
+    from jaxtron import generate as gen
+
+    try:
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+        if not args.temperature >= 0:
+            raise ValueError(f"--temperature: must be >= 0, got {args.temperature}")
+        if not 0 < args.top_p <= 1:
+            raise ValueError(f"--top-p: must be in (0, 1], got {args.top_p}")
+        cfg, model, kind = gen.load_model(args.checkpoint, args.dtype)
+        tok = gen.default_tokenizer(args.checkpoint, kind, args.tokenizer)
+        gen.check_tokenizer_fits(tok, cfg.vocab_size)
+        prompts = [list(tok.encode(p)) for p in args.prompt]
+        for text, ids in zip(args.prompt, prompts):
+            if not ids:
+                raise ValueError(f"--prompt: {text!r} encodes to no tokens")
+        out = gen.generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, eos_id=tok.eod, seed=args.seed, use_cache=not args.no_cache)
+    except (CheckpointError, ConfigError, ValueError, OSError) as err:
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)
+        return 2
+    for text, row in zip(args.prompt, out.rows()):
+        body = row[:-1] if row and row[-1] == tok.eod else row
+        completion = tok.decode(body)
+        if args.json:
+            print(gen.to_json({"prompt": text, "completion": completion, "tokens": row,
+                               "stopped_at_eos": bool(row) and row[-1] == tok.eod}))
+        else:
+            print(text + completion)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
