@@ -1,0 +1,280 @@
+"""Plan a cluster run without the cluster: ``python -m jaxtron.plan``.
+
+Compiles the real train step ahead of time for N GPUs of a given kind (nothing is allocated) and reports per
+device memory (the compiler's own memory analysis), FLOPs, the bytes each kind of collective moves (read from
+the optimized HLO) and a roofline prediction of step time and MFU. With ``--search`` it tries layouts.
+
+The XLA:GPU compiler is used when ``jax-cuda12-plugin`` of the installed jax version is present (no GPU is
+needed: the target is described by ``gpus/<name>.txtpb``); otherwise the CPU compiler compiles the same program
+on N virtual CPU devices, whose memory figures are only indicative (a different scheduler and fusion).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import itertools
+import os
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxtron import config as config_lib
+from jaxtron.config import Config, micro_batch_size
+from jaxtron.plan import hlo
+from jaxtron.plan import model as pm
+from jaxtron.plan.gpus import GPUS, GpuSpec, get_gpu
+
+__all__ = ["plan", "search", "target_devices", "prepare_config", "GpuSpec", "GPUS", "get_gpu"]
+
+PIPELINE_NOTE = "parallel.stage stays 1: pipeline parallelism is not implemented in jaxtron yet"
+
+
+def cuda_plugin_matches() -> bool:
+    try:
+        return importlib.metadata.version("jax-cuda12-plugin") == jax.__version__
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def topology_string(num_gpus: int, gpus_per_node: int) -> str:
+    """``get_topology_desc`` takes 'slices x hosts x devices per host'."""
+    if num_gpus <= gpus_per_node:
+        return f"1x1x{num_gpus}"
+    if num_gpus % gpus_per_node:
+        raise ValueError(f"--num-gpus {num_gpus} is not a multiple of --gpus-per-node {gpus_per_node}")
+    return f"1x{num_gpus // gpus_per_node}x{gpus_per_node}"
+
+
+def target_devices(gpu: GpuSpec, num_gpus: int, backend: str = "auto") -> tuple[list, str, list[str]]:
+    """(devices, 'gpu' or 'cpu', notes). 'gpu': abstract XLA:GPU devices from the GPU's target config."""
+    notes = []
+    if backend in ("auto", "gpu"):
+        why = None
+        if not cuda_plugin_matches():
+            try:
+                v = importlib.metadata.version("jax-cuda12-plugin")
+            except importlib.metadata.PackageNotFoundError:
+                v = None
+            why = f"jax-cuda12-plugin {v} does not match jax {jax.__version__}"
+        else:
+            try:
+                from jax.experimental import topologies
+
+                topo = topologies.get_topology_desc(platform="cuda",
+                                                    topology=topology_string(num_gpus, gpu.gpus_per_node),
+                                                    target_config=gpu.target_config())
+                return list(topo.devices), "gpu", notes
+            except Exception as err:  # noqa: BLE001 - reported as a note
+                why = f"XLA:GPU topology unavailable ({str(err).splitlines()[0][:200]}); is " \
+                      f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax is imported?"
+        if backend == "gpu":
+            raise RuntimeError(why)
+        notes.append(f"NOTE: {why}: compiled with the CPU compiler on {num_gpus} virtual devices instead; "
+                     "memory figures are indicative only (CPU scheduling and fusion differ from XLA:GPU)")
+    else:
+        notes.append(f"NOTE: compiled with the CPU compiler on {num_gpus} virtual devices (--backend cpu); memory "
+                     "figures are indicative only (CPU scheduling and fusion differ from XLA:GPU)")
+    cpus = jax.devices("cpu")
+    if len(cpus) < num_gpus:
+        raise RuntimeError(f"the CPU fallback needs {num_gpus} CPU devices, this process has {len(cpus)}: set "
+                           f"XLA_FLAGS=--xla_force_host_platform_device_count={num_gpus} before jax starts "
+                           "(python -m jaxtron.plan does this)")
+    return cpus[:num_gpus], "cpu", notes
+
+
+def prepare_config(cfg: Config, backend: str) -> tuple[Config, list[str]]:
+    """The config as it is compiled for the target: GPU-only kernels that cannot be compiled here swapped."""
+    cfg = copy.deepcopy(cfg)
+    notes = []
+    m = cfg.model
+    if m.dtype == "auto":
+        m.dtype = "bfloat16"
+    if backend == "gpu" and m.attention_impl == "cudnn":
+        m.attention_impl = "pallas"
+        notes.append("attention: cuDNN cannot be compiled without cuDNN libraries; planned with jaxtron's Pallas "
+                     "flash attention (same O(seq) memory)")
+    if backend == "cpu":
+        if m.attention_impl != "xla":
+            notes.append(f"attention: {m.attention_impl} -> xla for the CPU compile (materializes seq x seq "
+                         "scores: activation memory is overestimated)")
+            m.attention_impl = "xla"
+        m.rope_impl = m.mlp_impl = "xla"
+    return cfg, notes
+
+
+def _shard_bytes(tree) -> float:
+    total = 0.0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += float(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def compile_step(cfg: Config, devices: Sequence):
+    """(compiled, abstract state spec, mesh, mesh sizes): the same program as ``jaxtron.train.aot``."""
+    from jaxtron.parallel import build_mesh, logical_rules
+    from jaxtron.train.aot import abstract_batch
+    from jaxtron.train.optimizer import make_optimizer
+    from jaxtron.train.state import abstract_train_state
+    from jaxtron.train.step import batch_sharding, make_train_step
+
+    devices = list(devices)
+    sizes = config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
+    mesh = build_mesh(cfg.parallel, devices)
+    rules = logical_rules(cfg.parallel)
+    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    spec = abstract_train_state(cfg, tx, mesh, rules)
+    step = make_train_step(cfg, spec, tx, schedule, mesh, rules, sizes["data"] * sizes["fsdp"])
+    lowered = step.trace(spec.abstract_state, abstract_batch(cfg, batch_sharding(mesh, rules))).lower()
+    return lowered.compile(), spec, mesh, sizes
+
+
+def layout_overrides(cfg: Config) -> str:
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    mbs = t.micro_batch_size if t.micro_batch_size is not None else "null"
+    return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} parallel.tensor={p.tensor} parallel.stage=1 "
+            f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
+            f"model.remat={m.remat}")
+
+
+def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices: Optional[Sequence] = None,
+         keep_hlo: bool = False) -> dict:
+    """Compile ``cfg`` for ``num_gpus`` GPUs of kind ``gpu`` and report memory, FLOPs, communication and the
+    roofline prediction. All byte figures are per device."""
+    notes: list[str] = []
+    if devices is None:
+        devices, backend, dev_notes = target_devices(gpu, num_gpus, backend)
+        notes += dev_notes
+    else:
+        backend = "gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"
+    if cfg.parallel.stage != 1:
+        raise config_lib.ConfigError("parallel.stage", PIPELINE_NOTE)
+    ccfg, cfg_notes = prepare_config(cfg, backend)
+    notes += cfg_notes
+    t0 = time.perf_counter()
+    compiled, spec, mesh, sizes = compile_step(ccfg, devices)
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    params_b = _shard_bytes(spec.abstract_state["params"])
+    opt_b = _shard_bytes(spec.abstract_state["opt_state"])
+    grads_b = params_b  # gradients have the params' shapes, dtype and sharding (they live in temp)
+    arg, out, alias, temp = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+                             mem.temp_size_in_bytes)
+    peak_ma = getattr(mem, "peak_memory_in_bytes", 0) or 0
+    peak = peak_ma if backend == "gpu" and peak_ma > 0 else arg + temp + max(0, out - alias)
+    usable = gpu.usable_bytes
+    text = compiled.as_text()
+    ops = hlo.collectives(text, len(devices))
+    node_of = np.array([d.id // gpu.gpus_per_node for d in mesh.devices.flat]) if backend == "gpu" else None
+    if backend == "gpu":  # logical id i is mesh.devices.flat[i]; its node from the topology's process index
+        node_of = np.array([getattr(d, "process_index", d.id // gpu.gpus_per_node) for d in mesh.devices.flat])
+    roof = pm.roofline(ccfg, sizes, gpu, ops, len(devices), node_of)
+    dp = sizes["data"] * sizes["fsdp"]
+    result = {
+        "gpu": gpu.name, "gpu_description": gpu.description, "num_gpus": len(devices),
+        "nodes": max(1, len(devices) // gpu.gpus_per_node), "compiler": "XLA:GPU" if backend == "gpu" else "XLA:CPU",
+        "compile_s": compile_s, "mesh": sizes, "overrides": layout_overrides(cfg),
+        "micro_batch_size": micro_batch_size(ccfg.train, dp),
+        "accumulation_steps": ccfg.train.global_batch_size // (micro_batch_size(ccfg.train, dp) * dp),
+        "global_batch_size": ccfg.train.global_batch_size, "seq_len": ccfg.data.seq_len,
+        "attention_impl": ccfg.model.attention_impl, "remat": ccfg.model.remat,
+        "memory": {
+            "params": params_b, "optimizer": opt_b, "grads": grads_b,
+            "activations_and_temp": max(0.0, temp - grads_b), "temp": temp, "arguments": arg, "outputs": out,
+            "aliased": alias, "peak": peak, "peak_from": "memory_analysis.peak_memory_in_bytes" if peak == peak_ma
+            else "arguments + temp + unaliased outputs",
+            "device_memory": gpu.memory_bytes, "usable": usable, "mem_fraction": gpu.mem_fraction,
+            "fits": peak <= usable, "headroom": usable - peak,
+        },
+        "closed_form_memory": pm.closed_form_memory(ccfg, sizes),
+        "flops": {
+            "model_flops_per_step": roof["model_flops_per_step"],
+            "model_flops_per_step_causal": roof["model_flops_per_step_causal"],
+            "model_flops_per_device": roof["model_flops_per_step"] / len(devices),
+            "hardware_flops_per_device": roof["hardware_flops_per_device"],
+            "convention": "Megatron num_floating_point_operations (matmuls only, 3x forward); 'full' counts the "
+                          "causal attention s^2 term whole (Megatron's published tables), 'causal' halves it "
+                          "(Megatron's code today; what a causal flash kernel executes)",
+        },
+        "collectives": hlo.summarize(ops),
+        "roofline": roof,
+        "hardware": {"peak_tflops": gpu.peak_tflops, "hbm_gbps": gpu.hbm_gbps, "nvlink_gbps": gpu.nvlink_gbps,
+                     "net_gbps": gpu.net_gbps, "gpus_per_node": gpu.gpus_per_node,
+                     "compute_efficiency": gpu.compute_efficiency, "comm_efficiency": gpu.comm_efficiency,
+                     "collective_latency_us": gpu.collective_latency_us},
+        "notes": notes + [f"usable memory assumes XLA_PYTHON_CLIENT_MEM_FRACTION={gpu.mem_fraction} on the cluster "
+                          "(JAX preallocates 0.75 of GPU memory by default)", PIPELINE_NOTE],
+    }
+    if keep_hlo:
+        result["_hlo"] = text
+        result["_ops"] = ops
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ search
+
+
+def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
+                      remats: Sequence[str] = ("none", "save_dots", "full")) -> list[Config]:
+    m, gbs = cfg.model, cfg.train.global_batch_size
+    out = []
+    for tensor in pm.divisors(num_gpus):
+        if tensor > gpus_per_node or m.num_heads % tensor or m.num_kv_heads % tensor or m.intermediate_size % tensor:
+            continue
+        rest = num_gpus // tensor
+        for fsdp in pm.divisors(rest):
+            data = rest // fsdp
+            dp = data * fsdp
+            if gbs % dp:
+                continue
+            mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16]
+            for mbs, remat in itertools.product(mbs_opts, remats):
+                c = copy.deepcopy(cfg)
+                c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, 1
+                c.parallel.sequence_parallel = tensor > 1 and cfg.data.seq_len % tensor == 0
+                c.train.micro_batch_size = mbs
+                c.model.remat = remat
+                out.append(c)
+    return out
+
+
+def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices=None, max_compiles: int = 12,
+           top: int = 5, margin: float = 1.15, log=None) -> dict:
+    """Try layouts: closed-form memory prunes (estimate > ``margin`` x usable memory), a closed-form step time
+    orders the rest, the first ``max_compiles`` are compiled; those whose compiled peak does not fit are
+    dropped, the others ranked by the roofline step time."""
+    t0 = time.perf_counter()
+    if devices is None:
+        devices, backend, notes = target_devices(gpu, num_gpus, backend)
+    else:
+        backend, notes = ("gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"), []
+    cands = candidate_configs(cfg, num_gpus, gpu.gpus_per_node)
+    scored, pruned = [], 0
+    for c in cands:
+        sizes = {"stage": 1, "data": c.parallel.data, "fsdp": c.parallel.fsdp, "tensor": c.parallel.tensor}
+        cc, _ = prepare_config(c, backend)
+        est = pm.closed_form_memory(cc, sizes)
+        if est["total"] > margin * gpu.usable_bytes:
+            pruned += 1
+            continue
+        scored.append((pm.closed_form_step_s(cc, sizes, gpu, num_gpus), c))
+    scored.sort(key=lambda x: x[0])
+    results, rejected = [], []
+    for _, c in scored[:max_compiles]:
+        try:
+            r = plan(c, gpu, num_gpus, backend, devices)
+        except Exception as err:  # noqa: BLE001 - a layout that does not compile is reported, not fatal
+            rejected.append({"overrides": layout_overrides(c), "error": str(err).splitlines()[0][:300]})
+            continue
+        if log:
+            log(f"  {r['overrides']}: peak {r['memory']['peak'] / 2**30:.1f} GiB, "
+                f"step {r['roofline']['step_time_s']:.3f} s, compile {r['compile_s']:.1f} s")
+        (results if r["memory"]["fits"] else rejected).append(r)
+    results.sort(key=lambda r: r["roofline"]["step_time_s"])
+    return {"candidates": len(cands), "pruned_by_estimate": pruned, "compiled": min(len(scored), max_compiles),
+            "not_fitting_or_failed": [x if "error" in x else {"overrides": x["overrides"],
+                                                              "peak": x["memory"]["peak"]} for x in rejected],
+            "top": results[:top], "search_s": time.perf_counter() - t0, "notes": notes + [PIPELINE_NOTE]}

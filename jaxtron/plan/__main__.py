@@ -1,0 +1,150 @@
+"""python -m jaxtron.plan --config configs/llama3_70b.yaml --gpu h100 --num-gpus 64 [--search] [--json] [overrides]
+
+Compiles the train step ahead of time for a cluster of GPUs (no GPU needed) and prints per device memory,
+FLOPs, collective traffic and a roofline step time and MFU. See jaxtron/plan/__init__.py and model.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxtron.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="preset name or YAML path (default: tiny)")
+    p.add_argument("--gpu", default="h100", help="h100, h200 or a100_80gb (default h100)")
+    p.add_argument("--num-gpus", type=int, default=8)
+    p.add_argument("--backend", choices=("auto", "gpu", "cpu"), default="auto",
+                   help="compiler: XLA:GPU (needs jax-cuda12-plugin == jax), CPU, or auto (GPU when possible)")
+    p.add_argument("--search", action="store_true", help="try layouts and print the 5 fastest that fit")
+    p.add_argument("--max-compiles", type=int, default=12, help="--search: compile at most this many layouts")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    hw = p.add_argument_group("roofline overrides (defaults per GPU in jaxtron/plan/gpus.py)")
+    hw.add_argument("--peak-tflops", type=float)
+    hw.add_argument("--hbm-gbps", type=float)
+    hw.add_argument("--nvlink-gbps", type=float, help="per GPU, one direction, inside a node")
+    hw.add_argument("--net-gbps", type=float, help="per GPU, one direction, between nodes")
+    hw.add_argument("--gpus-per-node", type=int)
+    hw.add_argument("--compute-efficiency", type=float)
+    hw.add_argument("--comm-efficiency", type=float)
+    hw.add_argument("--collective-latency-us", type=float)
+    hw.add_argument("--mem-fraction", type=float, help="usable fraction of device memory (default 0.95)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. parallel.tensor=8")
+    return p
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:8.2f} GiB"
+
+
+def _print_plan(r: dict) -> None:
+    mem, roof, fl = r["memory"], r["roofline"], r["flops"]
+    m = r["mesh"]
+    print(f"{r['gpu_description']} x {r['num_gpus']} ({r['nodes']} node(s)), compiler {r['compiler']} "
+          f"({r['compile_s']:.1f} s)")
+    print(f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} stage={m['stage']}; global batch "
+          f"{r['global_batch_size']} x seq {r['seq_len']}, micro batch {r['micro_batch_size']}, "
+          f"{r['accumulation_steps']} accumulation step(s), remat={r['remat']}, attention={r['attention_impl']}")
+    print("\nmemory per device")
+    print(f"  parameters          {_gib(mem['params'])}")
+    print(f"  optimizer state     {_gib(mem['optimizer'])}")
+    print(f"  gradients           {_gib(mem['grads'])}   (part of temp)")
+    print(f"  activations + temp  {_gib(mem['activations_and_temp'])}   (temp {_gib(mem['temp']).strip()} "
+          f"less gradients)")
+    print(f"  peak                {_gib(mem['peak'])}   ({mem['peak_from']})")
+    verdict = "FITS" if mem["fits"] else "DOES NOT FIT"
+    print(f"  usable              {_gib(mem['usable'])}   ({mem['mem_fraction']:.0%} of "
+          f"{mem['device_memory'] / 2**30:.2f} GiB): {verdict}, "
+          f"{'headroom' if mem['fits'] else 'short by'} {abs(mem['headroom']) / 2**30:.2f} GiB")
+    print("\nFLOPs per step (Megatron formula)")
+    print(f"  model, full attention    {fl['model_flops_per_step']:.3e}  "
+          f"({fl['model_flops_per_device']:.3e} per device)")
+    print(f"  model, causal (s^2 / 2)  {fl['model_flops_per_step_causal']:.3e}")
+    print(f"  executed per device      {fl['hardware_flops_per_device']:.3e}  (causal, x4/3 under remat=full)")
+    print("\ncollectives per device per step (optimized HLO, loop bodies x trip count)")
+    print(f"  {'kind':20s} {'ops':>5s} {'runs':>8s} {'result bytes':>14s} {'wire bytes':>14s} {'time':>9s}")
+    for kind, c in r["collectives"].items():
+        t = roof["comm_s_by_kind"].get(kind, 0.0)
+        print(f"  {kind:20s} {c['ops']:5d} {c['executions']:8.0f} {c['result_bytes'] / 2**30:10.2f} GiB "
+              f"{c['wire_bytes'] / 2**30:10.2f} GiB {t:8.3f}s")
+    wb = roof["wire_bytes_by_link"]
+    print(f"  over NVLink {wb['nvlink'] / 2**30:.2f} GiB, over the network {wb['network'] / 2**30:.2f} GiB")
+    print("\nroofline prediction")
+    print(f"  compute {roof['compute_s']:.3f} s, HBM {roof['hbm_s']:.3f} s, exposed comm "
+          f"{roof['exposed_comm_s']:.3f} s, overlappable comm {roof['overlappable_comm_s']:.3f} s")
+    print(f"  step time {roof['step_time_s']:.3f} s, {roof['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
+          f"MFU {roof['mfu']:.1%} (full attention FLOPs; {roof['mfu_causal']:.1%} causal)")
+    h = r["hardware"]
+    print(f"  assumed: {h['peak_tflops']:.0f} TFLOP/s x {h['compute_efficiency']}, HBM {h['hbm_gbps']:.0f} GB/s, "
+          f"NVLink {h['nvlink_gbps']:.0f} GB/s, network {h['net_gbps']:.0f} GB/s per GPU x "
+          f"{h['comm_efficiency']}, {h['collective_latency_us']:.0f} us per collective")
+    for n in r["notes"]:
+        print(f"note: {n}")
+
+
+def _print_search(s: dict) -> None:
+    print(f"search: {s['candidates']} layouts, {s['pruned_by_estimate']} pruned by the closed-form memory "
+          f"estimate, {s['compiled']} compiled, {len(s['not_fitting_or_failed'])} did not fit or failed "
+          f"({s['search_s']:.0f} s)")
+    for x in s["not_fitting_or_failed"]:
+        why = x.get("error") or f"peak {x['peak'] / 2**30:.1f} GiB"
+        print(f"  dropped: {x['overrides']}  ({why})")
+    print(f"\ntop {len(s['top'])} by predicted step time (all fit):")
+    for i, r in enumerate(s["top"], 1):
+        roof, mem = r["roofline"], r["memory"]
+        print(f"{i}. step {roof['step_time_s']:.3f} s  MFU {roof['mfu']:.1%}  peak "
+              f"{mem['peak'] / 2**30:.1f} GiB / {mem['usable'] / 2**30:.1f} GiB  ({r['compiler']})")
+        print(f"   {r['overrides']}")
+    for n in s["notes"]:
+        print(f"note: {n}")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    # Before jax is imported: let the CUDA plugin load without CUDA libraries (XLA:GPU cross-compile), and give
+    # the CPU fallback as many virtual devices as GPUs.
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.num_gpus}".strip()
+    # A caller's JAX_PLATFORMS=cpu is fine: the XLA:GPU compile uses a topology description, not a GPU client.
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(args.num_gpus, 1))
+    from jaxtron import config as config_lib
+    from jaxtron.plan import plan, search
+    from jaxtron.plan.gpus import get_gpu
+
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+        gpu = get_gpu(args.gpu).replace(
+            peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps, nvlink_gbps=args.nvlink_gbps,
+            net_gbps=args.net_gbps, gpus_per_node=args.gpus_per_node, compute_efficiency=args.compute_efficiency,
+            comm_efficiency=args.comm_efficiency, collective_latency_us=args.collective_latency_us,
+            mem_fraction=args.mem_fraction)
+        if args.search:
+            log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+            out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,
+                         log=log)
+            print(json.dumps(out, default=float) if args.json else "", end="\n" if args.json else "")
+            if not args.json:
+                _print_search(out)
+        else:
+            out = plan(cfg, gpu, args.num_gpus, args.backend)
+            if args.json:
+                print(json.dumps(out, default=float))
+            else:
+                _print_plan(out)
+    except (config_lib.ConfigError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Closed-form counts and the roofline model behind ``python -m jaxtron.plan``.
+
+Roofline, per device and per optimizer step:
+
+* compute: hardware FLOPs / (bf16 peak x ``compute_efficiency``). Hardware FLOPs are the Megatron model FLOPs
+  (:func:`jaxtron.train.flops.flops_per_token`, causal attention counted under the ``causal`` convention, i.e.
+  the s^2 term halved, which is what a causal flash kernel executes) times the recomputation factor: 4/3 under
+  ``remat=full`` (the forward runs twice), 1 otherwise (``save_dots`` recomputes only elementwise work).
+* memory: HBM bytes / HBM bandwidth, from a closed-form traffic estimate (weights read three times per micro
+  batch, activations written and read, the AdamW update reading and writing params, moments and gradients).
+  Matmuls and the memory-bound kernels (norms, activations, softmax statistics, the optimizer) run one after
+  the other, so the kernel time is their sum.
+* communication: every collective of the compiled step (:mod:`jaxtron.plan.hlo`), wire bytes / (link bandwidth
+  x ``comm_efficiency``) + a fixed latency per launch; the link is NVLink when the replica group stays inside a
+  node and the network when it spans nodes. Collectives over the ``tensor`` axis alone (Megatron TP/SP
+  activations) sit on the critical path and are added; the others (FSDP weight gathers, gradient
+  reduce-scatters and data-parallel all-reduces) are scheduled asynchronously by XLA and only the part longer
+  than the compute is added.
+
+step time = compute + memory + exposed comm + max(0, overlappable comm - (compute + memory)).
+MFU = Megatron model FLOPs (``full`` convention, as Megatron's published tables) / (GPUs x peak x step time);
+the ``causal`` convention is reported next to it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from jaxtron.config import Config, head_dim, micro_batch_size
+from jaxtron.plan.gpus import GpuSpec
+from jaxtron.train.flops import flops_per_token
+
+MESH_ORDER = ("stage", "data", "fsdp", "tensor")
+
+
+def layer_params(m) -> int:
+    d, h, kv, hd, f = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size
+    bias = (h + 2 * kv) * hd if m.qkv_bias else 0
+    return d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f + 2 * d + bias
+
+
+def param_count(m) -> int:
+    emb = m.vocab_size * m.hidden_size
+    return emb * (1 if m.tie_embeddings else 2) + m.num_layers * layer_params(m) + m.hidden_size
+
+
+def closed_form_state_bytes(cfg: Config, sizes: dict) -> dict:
+    """Per-device bytes of params, AdamW state and gradients: every matrix is split over fsdp (its hidden dim)
+    and tensor (heads / mlp / vocab); norms and biases are small and counted as split the same way."""
+    m = cfg.model
+    pbytes = 2 if m.param_dtype in ("bfloat16", "float16") else (8 if m.param_dtype == "float64" else 4)
+    n = param_count(m)
+    shard = sizes["fsdp"] * sizes["tensor"]
+    return {"params": n * pbytes / shard, "optimizer": 2 * n * pbytes / shard, "grads": n * pbytes / shard,
+            "param_count": n}
+
+
+def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str) -> float:
+    """bf16 activations one layer keeps for the backward, per token (flash attention: no s^2 term)."""
+    d, h, kv, hd, f = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size
+    dt = t if sp else 1
+    tensor_part = ((h + 2 * kv) * hd + h * hd + 3 * f) / t
+    if remat == "none":
+        return 2 * (5 * d / dt + tensor_part) + 8 * d / dt  # + fp32 norm inputs
+    if remat == "save_dots":
+        return 2 * (3 * d / dt + tensor_part)
+    return 2 * d / dt  # full: the layer input only
+
+
+def closed_form_memory(cfg: Config, sizes: dict) -> dict:
+    """A quick per-device memory estimate used to prune ``--search`` before compiling (not the reported
+    number: the compiler's memory analysis is)."""
+    m, s = cfg.model, cfg.data.seq_len
+    t, dp = sizes["tensor"], sizes["data"] * sizes["fsdp"]
+    b = micro_batch_size(cfg.train, dp)
+    sp = cfg.parallel.sequence_parallel and t > 1
+    st = closed_form_state_bytes(cfg, sizes)
+    tokens = b * s
+    saved = m.num_layers * tokens * _act_bytes_per_token_layer(m, t, sp, m.remat)
+    working = tokens * _act_bytes_per_token_layer(m, t, sp, "none") * 2  # one layer's fwd + bwd live set
+    logits = tokens * m.vocab_size / t * (2 + 4 + 4)
+    gathered = 2 * 2 * layer_params(m) / t if sizes["fsdp"] > 1 else 0
+    acc = st["grads"] if cfg.train.global_batch_size // (b * dp) > 1 else 0
+    temp = saved + working + logits + gathered + acc + st["grads"]
+    total = st["params"] + st["optimizer"] + temp
+    return {**st, "activations": saved + working + logits + gathered, "temp": temp, "total": total}
+
+
+def hbm_bytes(cfg: Config, sizes: dict) -> float:
+    """Closed-form HBM traffic per device per step (see module doc)."""
+    m, s = cfg.model, cfg.data.seq_len
+    t, dp = sizes["tensor"], sizes["data"] * sizes["fsdp"]
+    b = micro_batch_size(cfg.train, dp)
+    accum = cfg.train.global_batch_size // (b * dp)
+    sp = cfg.parallel.sequence_parallel and t > 1
+    n_local = param_count(m) / t
+    weights = 3 * 2 * n_local * accum * (4 / 3 if m.remat == "full" else 1)
+    act = 4 * m.num_layers * b * s * _act_bytes_per_token_layer(m, t, sp, "none") * accum
+    logits = 3 * b * s * m.vocab_size / t * 4 * accum
+    opt = 28 * param_count(m) / (sizes["fsdp"] * t)
+    return weights + act + logits + opt
+
+
+def model_flops(cfg: Config, convention: str = "full") -> float:
+    return flops_per_token(cfg.model, cfg.data.seq_len, convention) * cfg.train.global_batch_size * cfg.data.seq_len
+
+
+def classify(op, mesh_shape: tuple, node_of: np.ndarray) -> tuple[tuple[str, ...], bool]:
+    """(mesh axes the op's replica groups span, whether a group spans nodes)."""
+    n = int(np.prod(mesh_shape))
+    if op.kind == "collective-permute":
+        pairs = op.pairs or []
+        cross = any(node_of[a] != node_of[b] for a, b in pairs if a < n and b < n)
+        axes = set()
+        for a, b in pairs:
+            if a < n and b < n:
+                ca, cb = np.unravel_index(a, mesh_shape), np.unravel_index(b, mesh_shape)
+                axes |= {MESH_ORDER[i] for i in range(len(mesh_shape)) if ca[i] != cb[i]}
+        return tuple(sorted(axes)), cross
+    groups = op.groups if op.groups is not None else np.arange(n)[None]
+    groups = groups[:, :][:, groups.min(0) >= 0] if groups.size else groups
+    g = groups[0]
+    coords = np.array(np.unravel_index(g, mesh_shape)).T if len(g) else np.zeros((0, len(mesh_shape)))
+    axes = tuple(MESH_ORDER[i] for i in range(len(mesh_shape)) if len(set(coords[:, i])) > 1)
+    cross = bool(any(len(set(node_of[grp])) > 1 for grp in groups))
+    return axes, cross
+
+
+def roofline(cfg: Config, sizes: dict, gpu: GpuSpec, ops: list, num_gpus: int,
+             node_of: Optional[np.ndarray] = None) -> dict:
+    mesh_shape = tuple(sizes[a] for a in MESH_ORDER)
+    if node_of is None:
+        node_of = np.arange(num_gpus) // gpu.gpus_per_node
+    remat_factor = 4 / 3 if cfg.model.remat == "full" else 1.0
+    mf_full = model_flops(cfg, "full")
+    mf_causal = model_flops(cfg, "causal")
+    hw_flops = mf_causal * remat_factor / num_gpus
+    peak = gpu.peak_tflops * 1e12
+    compute_s = hw_flops / (peak * gpu.compute_efficiency)
+    memory_s = hbm_bytes(cfg, sizes) / (gpu.hbm_gbps * 1e9)
+    kernel_s = compute_s + memory_s
+    exposed = overlappable = 0.0
+    by_link = {"nvlink": 0.0, "network": 0.0}
+    per_kind = {}
+    for op in ops:
+        axes, cross = classify(op, mesh_shape, node_of)
+        bw = (gpu.net_gbps if cross else gpu.nvlink_gbps) * 1e9 * gpu.comm_efficiency
+        if op.wire_bytes == 0:
+            continue
+        secs = op.count * (op.wire_bytes / bw + gpu.collective_latency_us * 1e-6)
+        by_link["network" if cross else "nvlink"] += op.wire_bytes * op.count
+        if axes == ("tensor",):
+            exposed += secs
+        else:
+            overlappable += secs
+        per_kind[op.kind] = per_kind.get(op.kind, 0.0) + secs
+    step = kernel_s + exposed + max(0.0, overlappable - kernel_s)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    return {
+        "step_time_s": step, "compute_s": compute_s, "hbm_s": memory_s, "exposed_comm_s": exposed,
+        "overlappable_comm_s": overlappable, "comm_s_by_kind": per_kind, "wire_bytes_by_link": by_link,
+        "mfu": mf_full / (num_gpus * peak * step), "mfu_causal": mf_causal / (num_gpus * peak * step),
+        "model_flops_per_step": mf_full, "model_flops_per_step_causal": mf_causal,
+        "hardware_flops_per_device": hw_flops, "tokens_per_s": tokens / step,
+        "tokens_per_s_per_gpu": tokens / step / num_gpus,
+    }
+
+
+def closed_form_comm_s(cfg: Config, sizes: dict, gpu: GpuSpec, num_gpus: int) -> float:
+    """Rough communication time for ranking search candidates before compiling."""
+    m, s = cfg.model, cfg.data.seq_len
+    t, f, d = sizes["tensor"], sizes["fsdp"], sizes["data"]
+    dp = d * f
+    b = micro_batch_size(cfg.train, dp)
+    accum = cfg.train.global_batch_size // (b * dp)
+    per_node = gpu.gpus_per_node
+    bw = lambda span: (gpu.nvlink_gbps if span <= per_node else gpu.net_gbps) * 1e9 * gpu.comm_efficiency
+    n = param_count(m)
+    secs = 0.0
+    if t > 1:
+        act = b * s * m.hidden_size * 2
+        n_ar = m.num_layers * (6 if m.remat == "full" else 4) * accum
+        secs += n_ar * 2 * act * (t - 1) / t / bw(t)
+    if f > 1:
+        exposed_fsdp = accum * (2 * 2 * n / t * (f - 1) / f + 2 * n / t * (f - 1) / f) / bw(f * t)
+        secs += max(0.0, exposed_fsdp - 0.8 * model_flops(cfg, "causal") / num_gpus / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency))
+    if d > 1:
+        secs += 2 * 4 * n / (f * t) * (d - 1) / d / bw(num_gpus)
+    return secs
+
+
+def closed_form_step_s(cfg: Config, sizes: dict, gpu: GpuSpec, num_gpus: int) -> float:
+    remat_factor = 4 / 3 if cfg.model.remat == "full" else 1.0
+    compute = model_flops(cfg, "causal") * remat_factor / num_gpus / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency)
+    return compute + hbm_bytes(cfg, sizes) / (gpu.hbm_gbps * 1e9) + closed_form_comm_s(cfg, sizes, gpu, num_gpus)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def fmt_bytes(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def isclose(a, b, rel=0.1):
+    return math.isclose(a, b, rel_tol=rel)

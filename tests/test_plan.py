@@ -1,0 +1,210 @@
+"""python -m jaxtron.plan: per-device state bytes and FSDP collective bytes against closed forms, the fit verdict
+against the compiled memory analysis, and --search only recommending layouts that fit. CPU-compiler tests run
+in-process on the 8 virtual CPU devices; XLA:GPU tests run the CLI in a subprocess (skipped when
+jax-cuda12-plugin does not match jax)."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtron import config as config_lib
+from jaxtron.plan import get_gpu, hlo, plan, search
+from jaxtron.plan import model as pm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=4",
+         "model.intermediate_size=1024", "model.vocab_size=256", "model.dtype=bfloat16", "data.seq_len=128",
+         "train.global_batch_size=16"]
+
+
+def _plugin_version():
+    try:
+        return importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+PLUGIN = _plugin_version()
+needs_xla_gpu = pytest.mark.skipif(PLUGIN != jax.__version__,
+                                   reason=f"jax-cuda12-plugin {PLUGIN} does not match jax {jax.__version__}: "
+                                          "no XLA:GPU cross-compile")
+
+
+def _cfg(*overrides):
+    return config_lib.load(None, SMALL + list(overrides))
+
+
+def _cpu_plan(cfg, gpu=None, **kw):
+    return plan(cfg, gpu or get_gpu("h100"), 8, devices=jax.devices()[:8], **kw)
+
+
+_CACHE = {}
+
+
+def _cached_plan(*overrides):
+    """One CPU compile per layout for the whole module (compiles dominate the test time)."""
+    if overrides not in _CACHE:
+        _CACHE[overrides] = _cpu_plan(_cfg(*overrides))
+    return _CACHE[overrides]
+
+
+# ------------------------------------------------------------------------------------------- HLO parsing
+
+
+def test_replica_group_formats():
+    g = hlo.parse_replica_groups("replica_groups={{0,1},{2,3}}, x", 4)
+    assert g.tolist() == [[0, 1], [2, 3]]
+    g = hlo.parse_replica_groups("replica_groups=[2,4]<=[4,2]T(1,0), x", 8)
+    assert g.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    g = hlo.parse_replica_groups("replica_groups=[4,2]<=[8], x", 8)
+    assert g.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    g = hlo.parse_replica_groups("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, x", 8)
+    assert g.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert hlo.parse_replica_groups("replica_groups={}, x", 4).tolist() == [[0, 1, 2, 3]]
+
+
+def test_while_bodies_are_multiplied_by_trip_counts():
+    text = """HloModule m
+
+%inner (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ag = f32[8]{0} all-gather(f32[4]{0} %p), replica_groups={{0,1}}, dimensions={0}
+}
+
+%outer (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  %w = f32[4]{0} while(f32[4]{0} %q), condition=%c, body=%inner, backend_config={"known_trip_count":{"n":"5"}}
+  %ars = bf16[16]{0} all-reduce-start(bf16[16]{0} %x), replica_groups=[1,2]<=[2], to_apply=%add
+  ROOT %ard = bf16[16]{0} all-reduce-done(bf16[16]{0} %ars)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %w2 = f32[4]{0} while(f32[4]{0} %a), condition=%c2, body=%outer, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+    s = hlo.summarize(hlo.collectives(text, 2))
+    assert s["all-gather"]["executions"] == 15 and s["all-gather"]["result_bytes"] == 15 * 32
+    assert s["all-gather"]["wire_bytes"] == 15 * 16
+    assert s["all-reduce"]["executions"] == 3 and s["all-reduce"]["result_bytes"] == 3 * 32
+
+
+# -------------------------------------------------------------------------------------- CPU compiler
+
+
+@pytest.mark.parametrize("data,fsdp,tensor", [(1, 8, 1), (2, 2, 2), (1, 2, 4)])
+def test_state_bytes_match_closed_form(data, fsdp, tensor):
+    overrides = (f"parallel.data={data}", f"parallel.fsdp={fsdp}", f"parallel.tensor={tensor}")
+    cfg = _cfg(*overrides)
+    r = _cached_plan(*overrides)
+    n = pm.param_count(cfg.model)
+    assert r["compiler"] == "XLA:CPU"
+    assert r["memory"]["params"] == pytest.approx(4 * n / (fsdp * tensor), rel=0.01)
+    assert r["memory"]["optimizer"] == pytest.approx(8 * n / (fsdp * tensor), rel=0.01)
+    cf = pm.closed_form_state_bytes(cfg, r["mesh"])
+    assert r["memory"]["params"] == pytest.approx(cf["params"], rel=0.01)
+    assert r["memory"]["arguments"] >= r["memory"]["params"] + r["memory"]["optimizer"]
+
+
+def test_fsdp_collectives_match_closed_form_cpu():
+    # FSDP only, no remat, no accumulation: the forward and the backward each all-gather every parameter
+    # (the CPU compiler gathers the fp32 masters), the gradients are reduced once (the CPU compiler emits an
+    # all-reduce where XLA:GPU emits a reduce-scatter; the XLA:GPU test below checks the reduce-scatter).
+    overrides = ("parallel.data=1", "parallel.fsdp=8", "parallel.tensor=1")
+    cfg = _cfg(*overrides)
+    assert cfg.model.remat == "none" and cfg.train.micro_batch_size is None
+    r = _cached_plan(*overrides)
+    n = pm.param_count(cfg.model)
+    c = r["collectives"]
+    assert c["all-gather"]["result_bytes"] == pytest.approx(2 * 4 * n, rel=0.1)
+    grad_sync = c["reduce-scatter"]["result_bytes"] * 8 + c["all-reduce"]["result_bytes"]
+    assert grad_sync == pytest.approx(4 * n, rel=0.1)
+
+
+def test_not_fitting_plan_really_exceeds_memory():
+    cfg = _cfg("parallel.data=8", "parallel.fsdp=1", "parallel.tensor=1")
+    small_gpu = get_gpu("h100").replace(memory_bytes=40 * 2**20, mem_fraction=1.0)  # a 40 MiB "GPU"
+    r = _cpu_plan(cfg, small_gpu)
+    assert not r["memory"]["fits"]
+    args = r["memory"]["arguments"]
+    assert args + r["memory"]["temp"] > small_gpu.memory_bytes  # the compiler's own numbers exceed it
+    assert pm.closed_form_memory(cfg, r["mesh"])["total"] > small_gpu.memory_bytes
+    # sharding it over fsdp (ZeRO-3) lowers the compiled peak
+    r2 = _cached_plan("parallel.data=1", "parallel.fsdp=8", "parallel.tensor=1")
+    assert r2["memory"]["peak"] < r["memory"]["peak"]
+
+
+@pytest.mark.slow
+def test_search_never_recommends_a_layout_that_does_not_fit():
+    cfg = _cfg("model.num_layers=2")
+    gpu = get_gpu("h100").replace(memory_bytes=32 * 2**20, mem_fraction=1.0)
+    out = search(cfg, gpu, 8, devices=jax.devices()[:8], max_compiles=2, top=2)
+    assert out["top"], out
+    assert out["pruned_by_estimate"] + len(out["not_fitting_or_failed"]) > 0  # some layouts do not fit
+    for r in out["top"]:
+        assert r["memory"]["fits"] and r["memory"]["peak"] <= gpu.usable_bytes
+        assert r["mesh"]["stage"] == 1
+    times = [r["roofline"]["step_time_s"] for r in out["top"]]
+    assert times == sorted(times)
+    assert any("pipeline" in n for n in out["notes"])
+
+
+def test_falls_back_to_the_cpu_compiler_with_a_note(monkeypatch):
+    import jaxtron.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "cuda_plugin_matches", lambda: False)
+    devices, backend, notes = plan_mod.target_devices(get_gpu("h100"), 8, "auto")
+    assert backend == "cpu" and len(devices) == 8 and "CPU compiler" in notes[0]
+    with pytest.raises(RuntimeError):
+        plan_mod.target_devices(get_gpu("h100"), 8, "gpu")
+
+
+def test_roofline_is_sane():
+    cfg = _cfg("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2")
+    r = _cached_plan("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2")
+    roof = r["roofline"]
+    assert 0 < roof["mfu"] < 1 and roof["step_time_s"] >= roof["compute_s"]
+    assert roof["model_flops_per_step"] == pytest.approx(
+        pm.model_flops(cfg, "full")) and roof["model_flops_per_step_causal"] < roof["model_flops_per_step"]
+
+
+# -------------------------------------------------------------------------------------- XLA:GPU compiler
+
+
+def _cli(*args, timeout=400):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", "--json", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_xla_gpu
+def test_xla_gpu_fsdp_collectives_and_memory():
+    r = _cli("--gpu", "h100", "--num-gpus", "8", *SMALL, "parallel.data=1", "parallel.fsdp=8", "parallel.tensor=1",
+             "model.remat=none")
+    assert r["compiler"] == "XLA:GPU" and r["memory"]["peak_from"] == "memory_analysis.peak_memory_in_bytes"
+    cfg = _cfg()
+    n = pm.param_count(cfg.model)
+    c = r["collectives"]
+    # bf16 weights gathered for the forward and again for the backward; bf16 gradients reduce-scattered
+    assert c["all-gather"]["result_bytes"] == pytest.approx(2 * 2 * n, rel=0.1)
+    assert c["reduce-scatter"]["result_bytes"] * 8 + c["all-reduce"]["result_bytes"] == pytest.approx(2 * n, rel=0.1)
+    assert r["memory"]["params"] == pytest.approx(4 * n / 8, rel=0.01)
+
+
+@pytest.mark.slow
+@needs_xla_gpu
+def test_xla_gpu_llama3_8b_replicated_does_not_fit():
+    r = _cli("--config", "llama3_8b", "--gpu", "h100", "--num-gpus", "8", "parallel.data=8", "parallel.fsdp=1",
+             "train.micro_batch_size=1", "train.global_batch_size=64")
+    mem = r["memory"]
+    assert r["compiler"] == "XLA:GPU" and not mem["fits"]
+    # 16 bytes per parameter replicated (fp32 params + AdamW moments) is already more than 80 GB
+    assert mem["arguments"] > mem["device_memory"] and mem["peak"] > mem["usable"]
