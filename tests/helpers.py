@@ -27,3 +27,12 @@ def synthetic_batch(cfg: config_lib.Config, seed: int) -> dict:
         "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy(),
         "segment_ids": np.ones((b, s), np.int32), "loss_mask": np.ones((b, s), np.float32),
     }
+
+
+def xla_gpu_plugin_version():
+    """The installed jax-cuda12-plugin version (XLA:GPU compiles without a GPU need it to equal jax's)."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return None

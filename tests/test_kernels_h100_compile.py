@@ -2,7 +2,6 @@
 (shared-memory and register limits checked), on this CPU-only machine. Needs the ``jax-cuda12-plugin`` and
 ``jax-cuda12-pjrt`` of the installed jax version (the ``test`` extra has them for jax 0.10.2)."""
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -11,15 +10,11 @@ import sys
 import jax
 import pytest
 
-
-def _plugin_version():
-    try:
-        return importlib.metadata.version("jax-cuda12-plugin")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+from helpers import xla_gpu_plugin_version
 
 
-PLUGIN = _plugin_version()
+
+PLUGIN = xla_gpu_plugin_version()
 pytestmark = pytest.mark.skipif(PLUGIN != jax.__version__,
                                 reason=f"jax-cuda12-plugin {PLUGIN} does not match jax {jax.__version__}")
 

@@ -3,16 +3,15 @@ against the compiled memory analysis, and --search only recommending layouts tha
 in-process on the 8 virtual CPU devices; XLA:GPU tests run the CLI in a subprocess (skipped when
 jax-cuda12-plugin does not match jax)."""
 
-import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
+from helpers import xla_gpu_plugin_version
 from jaxtron import config as config_lib
 from jaxtron.plan import get_gpu, hlo, plan, search
 from jaxtron.plan import model as pm
@@ -23,14 +22,8 @@ SMALL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "mo
          "train.global_batch_size=16"]
 
 
-def _plugin_version():
-    try:
-        return importlib.metadata.version("jax-cuda12-plugin")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
-
-PLUGIN = _plugin_version()
+PLUGIN = xla_gpu_plugin_version()
 needs_xla_gpu = pytest.mark.skipif(PLUGIN != jax.__version__,
                                    reason=f"jax-cuda12-plugin {PLUGIN} does not match jax {jax.__version__}: "
                                           "no XLA:GPU cross-compile")

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from helpers import tiny_config
 from jaxtron.data import BuiltinCorpus

@@ -18,7 +18,6 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron.checkpoint.handler import ShardedArraysHandler, ShardedRestore, ShardedSave
 from jaxtron.checkpoint.shards import CheckpointReadError

@@ -26,10 +26,9 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 FORMAT = "jaxtron-shards-1"

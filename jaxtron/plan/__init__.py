@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import itertools
-import os
 import time
 from typing import Optional, Sequence
 
@@ -115,20 +114,9 @@ def _shard_bytes(tree) -> float:
 
 def compile_step(cfg: Config, devices: Sequence):
     """(compiled, abstract state spec, mesh, mesh sizes): the same program as ``jaxtron.train.aot``."""
-    from jaxtron.parallel import build_mesh, logical_rules
-    from jaxtron.train.aot import abstract_batch
-    from jaxtron.train.optimizer import make_optimizer
-    from jaxtron.train.state import abstract_train_state
-    from jaxtron.train.step import batch_sharding, make_train_step
+    from jaxtron.train.aot import lower_train_step_with_spec
 
-    devices = list(devices)
-    sizes = config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
-    mesh = build_mesh(cfg.parallel, devices)
-    rules = logical_rules(cfg.parallel)
-    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
-    spec = abstract_train_state(cfg, tx, mesh, rules)
-    step = make_train_step(cfg, spec, tx, schedule, mesh, rules, sizes["data"] * sizes["fsdp"])
-    lowered = step.trace(spec.abstract_state, abstract_batch(cfg, batch_sharding(mesh, rules))).lower()
+    lowered, spec, mesh, sizes = lower_train_step_with_spec(cfg, list(devices))
     return lowered.compile(), spec, mesh, sizes
 
 

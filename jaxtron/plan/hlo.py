@@ -246,7 +246,6 @@ def collectives(text: str, num_devices: int) -> list[CollectiveOp]:
     """Every collective of the module with its per-step execution count."""
     mod = parse_module(text)
     mult = mod.multipliers()
-    shapes = {name: shape for instrs in mod.computations.values() for name, shape, _, _ in instrs}
     ops = []
     for comp, instrs in mod.computations.items():
         count = mult.get(comp, 0.0)

@@ -21,8 +21,8 @@ def abstract_batch(cfg: Config, sharding) -> dict:
             for k in BATCH_KEYS}
 
 
-def lower_train_step(cfg: Config, devices: Optional[Sequence[jax.Device]] = None) -> jax.stages.Lowered:
-    """``jax.jit(train_step).trace(abstract state, abstract batch).lower()`` for ``cfg`` on ``devices``."""
+def lower_train_step_with_spec(cfg: Config, devices: Optional[Sequence[jax.Device]] = None):
+    """(lowered train step, abstract state spec, mesh, mesh sizes) for ``cfg`` on ``devices``."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
     mesh = build_mesh(cfg.parallel, devices)
@@ -30,4 +30,10 @@ def lower_train_step(cfg: Config, devices: Optional[Sequence[jax.Device]] = None
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     spec = abstract_train_state(cfg, tx, mesh, rules)
     step = make_train_step(cfg, spec, tx, schedule, mesh, rules, sizes["data"] * sizes["fsdp"])
-    return step.trace(spec.abstract_state, abstract_batch(cfg, batch_sharding(mesh, rules))).lower()
+    lowered = step.trace(spec.abstract_state, abstract_batch(cfg, batch_sharding(mesh, rules))).lower()
+    return lowered, spec, mesh, sizes
+
+
+def lower_train_step(cfg: Config, devices: Optional[Sequence[jax.Device]] = None) -> jax.stages.Lowered:
+    """``jax.jit(train_step).trace(abstract state, abstract batch).lower()`` for ``cfg`` on ``devices``."""
+    return lower_train_step_with_spec(cfg, devices)[0]
