@@ -15,11 +15,12 @@ import hashlib
 import json
 import os
 import sysconfig
+import tempfile
 import zlib
 
 import numpy as np
 
-from jaxtron.config import Config, DataConfig
+from jaxtron.config import Config, ConfigError, DataConfig
 from jaxtron.data.corpus import IndexedCorpus
 from jaxtron.data.indexed import IndexedDatasetWriter, idx_path
 
@@ -80,7 +81,14 @@ def prepare_builtin(cfg: DataConfig) -> dict[str, str]:
     root = stdlib_root()
     key = hashlib.sha256(json.dumps([FORMAT_VERSION, cfg.max_corpus_bytes, cfg.valid_fraction,
                                      [(os.path.relpath(p, root), n, t) for p, n, t in files]]).encode()).hexdigest()
-    directory = os.path.join(cfg.cache_dir or default_cache_dir(), f"builtin-{key[:16]}")
+    root_dir = cfg.cache_dir or default_cache_dir()
+    try:
+        os.makedirs(root_dir, exist_ok=True)
+    except OSError as err:
+        if cfg.cache_dir:
+            raise ConfigError("data.cache_dir", f"cannot create {root_dir}: {err.strerror}") from None
+        root_dir = os.path.join(tempfile.gettempdir(), "jaxtron-cache")  # e.g. a read-only home directory
+    directory = os.path.join(root_dir, f"builtin-{key[:16]}")
     prefixes = {"train": os.path.join(directory, "train"), "valid": os.path.join(directory, "valid")}
     if all(os.path.exists(idx_path(p)) for p in prefixes.values()):
         return prefixes
