@@ -5,11 +5,13 @@ vectorized numpy:
 
 * ``document_index``: the split's documents, shuffled with ``np.random.RandomState(seed)``, one shuffle per epoch,
   for as many epochs as are needed to hold ``num_samples * seq_len + 1`` tokens;
-* ``sample_index``: ``(num_samples + 1, 2)`` pairs (position in ``document_index``, token offset in that
-  document). Sample ``i`` is the ``seq_len + 1`` tokens from entry ``i`` to entry ``i + 1`` inclusive, i.e. the
-  tokens at ``[i * seq_len, (i + 1) * seq_len]`` of the concatenated shuffled stream: consecutive samples share
-  one token and samples may cross document boundaries;
-* ``shuffle_index``: a permutation of the samples (the order in which they are served).
+* ``sample_index``: ``(S + 1, 2)`` pairs (position in ``document_index``, token offset in that document) for all
+  ``S`` samples those epochs hold. Sample ``i`` is the ``seq_len + 1`` tokens from entry ``i`` to entry ``i + 1``
+  inclusive, i.e. the tokens at ``[i * seq_len, (i + 1) * seq_len]`` of the concatenated shuffled stream:
+  consecutive samples share one token and samples may cross document boundaries;
+* ``shuffle_index``: a permutation of all ``S`` samples (the order in which they are served), so even a run
+  shorter than an epoch draws from the whole split. As in Megatron, when the last epoch is less than 80% used,
+  its samples are shuffled separately (after those of the full epochs), so every full epoch is served whole.
 
 The three arrays are cached as ``.npy`` files in ``<prefix>_cache/`` keyed by an md5 of every input that changes
 them.
@@ -27,7 +29,7 @@ import numpy as np
 from jaxtron.data.indexed import IndexedDataset, idx_path
 
 SPLIT_NAMES = ("train", "valid", "test")
-_INDEX_VERSION = "jaxtron-gpt-index-v1"
+_INDEX_VERSION = "jaxtron-gpt-index-v2"
 
 
 def parse_split(split) -> list[float]:
@@ -74,8 +76,8 @@ def split_documents(num_docs: int, split="969,30,1") -> dict[str, tuple[int, int
 @dataclass
 class GPTSampleIndex:
     document_index: np.ndarray  # (num_epochs * num_docs,) document ids, shuffled per epoch
-    sample_index: np.ndarray  # (num_samples + 1, 2) int64: (position in document_index, token offset)
-    shuffle_index: np.ndarray  # (num_samples,) int64 permutation
+    sample_index: np.ndarray  # (S + 1, 2) int64: (position in document_index, token offset), S >= num_samples
+    shuffle_index: np.ndarray  # (S,) int64 permutation of the samples of all epochs
     num_epochs: int
 
     def __len__(self) -> int:
@@ -108,16 +110,27 @@ def build_sample_index(doc_lengths, doc_ids, seq_len: int, num_samples: int, see
     else:
         document_index = np.zeros(0, index_dtype)
 
+    # every sample the epochs hold (Megatron builds them all and shuffles them all, not only the ones needed)
+    total_samples = (num_epochs * tokens_per_epoch - 1) // seq_len if num_epochs else 0
     # stream position of token t = i * seq_len, located by searching the cumulative document ends
     ends = np.cumsum(doc_lengths[document_index], dtype=np.int64)
-    starts_tok = np.arange(num_samples + 1, dtype=np.int64) * seq_len
-    if num_samples:
+    starts_tok = np.arange(total_samples + 1, dtype=np.int64) * seq_len
+    if total_samples:
         pos = np.searchsorted(ends, starts_tok, side="right")
         doc_start = ends[pos] - doc_lengths[document_index[pos]]
         sample_index = np.stack([pos, starts_tok - doc_start], axis=1).astype(np.int64)
     else:
         sample_index = np.zeros((1, 2), np.int64)
-    shuffle_index = rng.permutation(num_samples).astype(np.int64)
+    separate_last = False
+    if num_epochs > 1:
+        full = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_len  # samples of the full epochs
+        per_epoch = (tokens_per_epoch - 1) // seq_len
+        separate_last = num_samples - full < int(0.8 * per_epoch)
+    if separate_last:
+        shuffle_index = np.concatenate([rng.permutation(full), full + rng.permutation(total_samples - full)])
+    else:
+        shuffle_index = rng.permutation(total_samples)
+    shuffle_index = shuffle_index.astype(np.int64)
     return GPTSampleIndex(document_index, sample_index, shuffle_index, num_epochs)
 
 
