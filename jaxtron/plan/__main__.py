@@ -65,7 +65,7 @@ def _print_plan(r: dict) -> None:
     print(f"  model, full attention    {fl['model_flops_per_step']:.3e}  "
           f"({fl['model_flops_per_device']:.3e} per device)")
     print(f"  model, causal (s^2 / 2)  {fl['model_flops_per_step_causal']:.3e}")
-    print(f"  executed per device      {fl['hardware_flops_per_device']:.3e}  (causal, x4/3 under remat=full)")
+    print(f"  executed per device      {fl['hardware_flops_per_device']:.3e}  (causal; x4/3 when model.remat=full)")
     print("\ncollectives per device per step (optimized HLO, loop bodies x trip count)")
     print(f"  {'kind':20s} {'ops':>5s} {'runs':>8s} {'result bytes':>14s} {'wire bytes':>14s} {'time':>9s}")
     for kind, c in r["collectives"].items():
