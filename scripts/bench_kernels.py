@@ -1,14 +1,18 @@
 """Time the Pallas kernels against the XLA reference (and cuDNN for attention) at Llama-3-8B shapes on a GPU.
 
     python scripts/bench_kernels.py [--seq 2048 4096 8192] [--batch 1] [--iters 20] [--packed] [--json]
+    python scripts/bench_kernels.py --check            # numerics on the GPU against the fp32 reference
+    python scripts/bench_kernels.py --sweep --seq 4096 # flash attention block sizes / warps / stages
 
 Shapes: heads 32, kv heads 8, head_dim 128, bf16; MLP width 14336. Each case is timed forward and
 forward+backward (gradient of the sum w.r.t. every input) after a warm-up; the median of ``--iters`` runs.
 Attention TFLOP/s count the causal half of the score matrix: 4 * b * s^2/2 * heads * head_dim forward
 (two matmuls), 3.5x that for forward+backward (the backward has five), as FlashAttention's papers count.
 ``--packed`` also runs each attention with 4 packed documents per row (segment ids; cuDNN gets the
-equivalent dense mask, which is what jaxtron's 'cudnn' attention does). On a machine without a GPU it says
-so and exits 0.
+equivalent dense mask, which is what jaxtron's 'cudnn' attention does). ``--check`` compares the compiled
+kernels' outputs and gradients with the fp32 reference on random inputs (relative Frobenius error).
+``--sweep`` times flash attention's forward over launch settings, then its backward settings (forward
+fixed at the defaults), and prints the fastest. On a machine without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -27,17 +31,22 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--packed", action="store_true", help="also time packed documents (segment ids)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--check", action="store_true", help="GPU numerics against the fp32 references")
+    p.add_argument("--sweep", action="store_true", help="flash attention launch-setting sweep")
     return p.parse_args(argv)
 
 
-def _time(fn, *args, iters: int) -> float:
+def _time(fn, *args, iters: int, repeats: int = 5) -> float:
+    """Seconds per call: ``iters`` calls dispatched back to back and blocked on once (so launch latency
+    overlaps), the median over ``repeats`` such windows, after a compile + warm-up call."""
     import jax
-    jax.block_until_ready(fn(*args))  # compile + warm up
+    jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        outs = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
 
 
@@ -114,12 +123,121 @@ def elementwise_cases(seq: int, batch: int, iters: int) -> list[dict]:
     return rows
 
 
+def _rel(a, b) -> float:
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check_cases(seq: int, batch: int) -> list[dict]:
+    """Relative error of the compiled kernels (outputs and every gradient) against the fp32 references."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+    from pallas_kernels.rope import apply_rope, rope_inv_freq, rope_reference
+    from pallas_kernels.swiglu import swiglu, swiglu_reference
+
+    rows = []
+
+    def compare(kernel, name, f, ref, args, dtype):
+        isf = lambda a: jnp.issubdtype(a.dtype, jnp.floating)
+        args = [a.astype(dtype) if isf(a) else a for a in args]
+        up = [a.astype(jnp.float32) if isf(a) else a for a in args]
+        fa = [i for i, a in enumerate(args) if isf(a)]
+        out = jax.jit(f)(*args)
+        out_ref = jax.jit(ref)(*up)
+        cot = jax.random.normal(jax.random.key(7), out.shape, jnp.float32)
+        grads = jax.jit(jax.grad(lambda *a: (f(*a).astype(jnp.float32) * cot).sum(), argnums=fa))(*args)
+        grads_ref = jax.jit(jax.grad(lambda *a: (ref(*a) * cot).sum(), argnums=fa))(*up)
+        errs = {"out": _rel(out, out_ref)}
+        errs.update({f"d{i}": _rel(g, r) for i, g, r in zip(fa, grads, grads_ref)})
+        rows.append({"kernel": kernel, "case": name, "dtype": jnp.dtype(dtype).name, "seq": seq, **errs})
+
+    h, kv, d = 32, 8, 128
+    ks = jax.random.split(jax.random.key(seq + 1), 6)
+    q = jax.random.normal(ks[0], (batch, seq, h, d))
+    k = jax.random.normal(ks[1], (batch, seq, kv, d))
+    v = jax.random.normal(ks[2], (batch, seq, kv, d))
+    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None].repeat(batch, 0)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for name, sg in (("causal", None), ("causal packed", seg)):
+            compare("attention", name, lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=sg),
+                    lambda q, k, v: flash_attention_reference(q, k, v, causal=True, segment_ids=sg),
+                    [q, k, v], dtype)
+        pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        inv = rope_inv_freq(d, 500000.0)
+        compare("rope", "q,k", lambda q, k: jnp.concatenate([x.reshape(-1) for x in apply_rope(q, k, pos, inv)]),
+                lambda q, k: jnp.concatenate([rope_reference(q, pos, inv).reshape(-1),
+                                              rope_reference(k, pos, inv).reshape(-1)]), [q, k], dtype)
+        gate = jax.random.normal(ks[3], (batch * seq, 14336))
+        upx = jax.random.normal(ks[4], (batch * seq, 14336))
+        compare("swiglu", "", swiglu, swiglu_reference, [gate, upx], dtype)
+    return rows
+
+
+SWEEP_FWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128, 128))
+             for w in (4, 8) for st in (2, 3)]
+SWEEP_BWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128, 128), (32, 64))
+             for w in (4, 8) for st in (1, 2)]
+
+
+def sweep_cases(seq: int, batch: int, iters: int, packed: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.flash_attention import flash_attention
+
+    h, kv, d = 32, 8, 128
+    keys = jax.random.split(jax.random.key(seq), 3)
+    q = jax.random.normal(keys[0], (batch, seq, h, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, kv, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seq, kv, d), jnp.bfloat16)
+    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None].repeat(batch, 0) if packed else None
+    flops_fwd = 4 * batch * seq * seq / 2 * h * d
+    rows = []
+    for mode, grid in (("fwd", SWEEP_FWD), ("fwd+bwd", SWEEP_BWD)):
+        for bq, bk, w, st in grid:
+            if mode == "fwd":
+                kw = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+                fn = jax.jit(lambda q, k, v, kw=kw: flash_attention(q, k, v, causal=True, segment_ids=seg, **kw))
+                flops = flops_fwd
+            else:
+                kw = dict(block_q_bwd=bq, block_k_bwd=bk, num_warps_bwd=w, num_stages_bwd=st)
+                fn = _fwd_bwd(lambda q, k, v, kw=kw: flash_attention(q, k, v, causal=True, segment_ids=seg, **kw),
+                              (0, 1, 2))
+                flops = 3.5 * flops_fwd
+            row = {"kernel": "attention-sweep", "mode": mode, "seq": seq, "packed": packed, "block_q": bq,
+                   "block_k": bk, "num_warps": w, "num_stages": st}
+            try:
+                sec = _time(fn, q, k, v, iters=iters)
+                row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+            except Exception as err:  # e.g. shared memory exceeded for large blocks and many stages
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
     if jax.default_backend() != "gpu":
         print(f"bench_kernels.py needs an NVIDIA GPU; JAX's backend here is {jax.default_backend()!r}. "
               "Nothing timed.")
+        return 0
+    if args.check:
+        rows = [r for seq in args.seq for r in check_cases(seq, args.batch)]
+        for r in rows:
+            errs = "  ".join(f"{k} {v:.2e}" for k, v in r.items() if k not in ("kernel", "case", "dtype", "seq"))
+            print(f"check {r['kernel']:9s} {r['case']:14s} {r['dtype']:8s} seq {r['seq']:5d}  {errs}")
+        return 0
+    if args.sweep:
+        for seq in args.seq:
+            rows = sweep_cases(seq, args.batch, args.iters, args.packed)
+            for mode in ("fwd", "fwd+bwd"):
+                ok = sorted((r for r in rows if r["mode"] == mode and "ms" in r), key=lambda r: r["ms"])
+                for r in ok[:3]:
+                    print(f"best {mode:8s} seq {seq}: block_q {r['block_q']} block_k {r['block_k']} warps "
+                          f"{r['num_warps']} stages {r['num_stages']}: {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s")
         return 0
     rows = []
     for seq in args.seq:

@@ -134,7 +134,8 @@ def test_flash_attention_fully_masked_rows_no_nan():
     seq, window = 40, 4
     q, k, v, do, seg = _inputs(41, 1, seq, 4, 2, 64, jnp.float32, True)
     cfg = fa_mod._Config(backend="triton", causal=True, scale=0.125, window=window, seq_len=seq, block_q=32,
-                         block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4, num_stages=2, interpret=True)
+                         block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4, num_stages=2,
+                         num_warps_bwd=4, num_stages_bwd=2, interpret=True)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 64 - seq)) + ((0, 0),) * (x.ndim - 2))
     qp, kp, vp, dop, segp = map(pad, (q, k, v, do, seg))
     dop = dop.at[:, seq:].set(1.0)  # nonzero cotangent on the fully masked rows
@@ -191,7 +192,8 @@ def test_loop_bounds_skip_masked_blocks():
     a visible pair: nothing above the causal diagonal, nothing left of / beyond the window, no padded blocks."""
     cfg = lambda causal, window, seq_len: fa_mod._Config(
         backend="triton", causal=causal, scale=1.0, window=window, seq_len=seq_len, block_q=16, block_k=16,
-        block_q_bwd=16, block_k_bwd=16, num_warps=4, num_stages=2, interpret=True)
+        block_q_bwd=16, block_k_bwd=16, num_warps=4, num_stages=2, num_warps_bwd=4, num_stages_bwd=2,
+        interpret=True)
     kv = lambda q_start, c: tuple(int(x) for x in fa_mod._kv_block_range(q_start, 16, 16, c))
     qr = lambda k_start, c: tuple(int(x) for x in fa_mod._q_block_range(k_start, 16, 16, c))
     assert kv(32, cfg(True, None, 128)) == (0, 3)           # causal: blocks 0..2 for queries 32..47
