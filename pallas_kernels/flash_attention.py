@@ -483,14 +483,14 @@ def _validate(q, k, v, segment_ids, softmax_scale, sliding_window, blocks):
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale=None, sliding_window=None,
                     block_q: int = 64, block_k: int = 64, block_q_bwd: int | None = None,
-                    block_k_bwd: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                    block_k_bwd: int | None = None, num_warps: int | None = None, num_stages: int = 3,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
                     interpret: bool | None = None, backend: str = "triton"):
     """Fused attention; q [b, s, h, d], k/v [b, s, kv_h, d] -> [b, s, h, d] in q.dtype. Differentiable in q, k, v.
 
     Block sizes are powers of two >= 16 (clamped down to the padded seq length); *_bwd default to the forward ones.
-    num_warps=None -> 4 for head_dim <= 64, else 8; num_warps_bwd / num_stages_bwd (the backward kernels'
-    Triton launch settings) default to the forward ones. interpret=None -> interpret mode on the CPU backend.
+    num_warps=None -> 4. num_warps_bwd / num_stages_bwd (the backward kernels' Triton launch settings) default
+    to num_warps / 2. Defaults from scripts/bench_kernels.py --sweep on an H100 (Llama-3-8B shapes, seq 4096). interpret=None -> interpret mode on the CPU backend.
     See the module docstring for masking semantics.
     """
     check_backend(backend, _IMPLS, "flash_attention")
@@ -503,14 +503,14 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     bkb = min(block_k_bwd or block_k, cap)
     multiple = max(bq, bk, bqb, bkb)
     sp = cdiv(s, multiple) * multiple
-    warps = num_warps if num_warps is not None else (4 if d <= 64 else 8)
+    warps = num_warps if num_warps is not None else 4
     cfg = _Config(
         backend=backend, causal=bool(causal),
         scale=(1.0 / math.sqrt(d)) if softmax_scale is None else float(softmax_scale),
         window=sliding_window, seq_len=s, block_q=bq, block_k=bk, block_q_bwd=bqb, block_k_bwd=bkb,
         num_warps=warps, num_stages=num_stages,
         num_warps_bwd=num_warps_bwd if num_warps_bwd is not None else warps,
-        num_stages_bwd=num_stages_bwd if num_stages_bwd is not None else num_stages,
+        num_stages_bwd=num_stages_bwd if num_stages_bwd is not None else 2,
         interpret=resolve_interpret(interpret),
     )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)

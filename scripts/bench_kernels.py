@@ -33,6 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true")
     p.add_argument("--check", action="store_true", help="GPU numerics against the fp32 references")
     p.add_argument("--sweep", action="store_true", help="flash attention launch-setting sweep")
+    p.add_argument("--impls", nargs="+", default=["pallas", "xla", "cudnn"], choices=["pallas", "xla", "cudnn"],
+                   help="attention implementations to time")
+    p.add_argument("--attention-only", action="store_true", help="skip the RoPE and SwiGLU kernels")
     return p.parse_args(argv)
 
 
@@ -56,7 +59,7 @@ def _fwd_bwd(f, argnums):
     return jax.jit(jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=argnums))
 
 
-def attention_cases(seq: int, batch: int, packed: bool, iters: int) -> list[dict]:
+def attention_cases(seq: int, batch: int, packed: bool, iters: int, which=("pallas", "xla", "cudnn")) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
@@ -79,7 +82,7 @@ def attention_cases(seq: int, batch: int, packed: bool, iters: int) -> list[dict
 
     flops_fwd = 4 * batch * seq * seq / 2 * h * d
     rows = []
-    for name, f in impls.items():
+    for name, f in ((n, f) for n, f in impls.items() if n in which):
         for mode, fn, flops in (("fwd", jax.jit(f), flops_fwd), ("fwd+bwd", _fwd_bwd(f, (0, 1, 2)), 3.5 * flops_fwd)):
             row = {"kernel": "attention", "impl": name, "mode": mode, "seq": seq, "packed": packed}
             try:
@@ -239,27 +242,33 @@ def main(argv=None) -> int:
                     print(f"best {mode:8s} seq {seq}: block_q {r['block_q']} block_k {r['block_k']} warps "
                           f"{r['num_warps']} stages {r['num_stages']}: {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s")
         return 0
+    if not args.json:
+        print(f"device: {jax.devices()[0].device_kind}; batch {args.batch}, bf16", flush=True)
     rows = []
     for seq in args.seq:
-        rows += attention_cases(seq, args.batch, False, args.iters)
+        cases = [lambda: attention_cases(seq, args.batch, False, args.iters, args.impls)]
         if args.packed:
-            rows += attention_cases(seq, args.batch, True, args.iters)
-        rows += elementwise_cases(seq, args.batch, args.iters)
+            cases.append(lambda: attention_cases(seq, args.batch, True, args.iters, args.impls))
+        if not args.attention_only:
+            cases.append(lambda: elementwise_cases(seq, args.batch, args.iters))
+        for case in cases:
+            new_rows = case()
+            rows += new_rows
+            if not args.json:
+                for r in new_rows:
+                    print(_format(r), flush=True)  # as they come: a long run cut short keeps what it measured
     if args.json:
         print(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}))
-        return 0
-    print(f"device: {jax.devices()[0].device_kind}; batch {args.batch}, bf16")
-    for r in rows:
-        what = f"{r['kernel']:9s} {r['impl']:6s} {r['mode']:8s} seq {r['seq']:5d}" + (" packed" if r.get("packed")
-                                                                                      else "")
-        if "error" in r:
-            print(f"{what}  {r['error']}")
-        elif "tflops" in r:
-            print(f"{what}  {r['ms']:8.3f} ms  {r['tflops']:7.1f} TFLOP/s")
-        else:
-            print(f"{what}  {r['ms']:8.3f} ms  {r['gb_s']:7.1f} GB/s (inputs+outputs)")
     return 0
 
+
+def _format(r: dict) -> str:
+    what = f"{r['kernel']:9s} {r['impl']:6s} {r['mode']:8s} seq {r['seq']:5d}" + (" packed" if r.get("packed") else "")
+    if "error" in r:
+        return f"{what}  {r['error']}"
+    if "tflops" in r:
+        return f"{what}  {r['ms']:8.3f} ms  {r['tflops']:7.1f} TFLOP/s"
+    return f"{what}  {r['ms']:8.3f} ms  {r['gb_s']:7.1f} GB/s (inputs+outputs)"
 
 if __name__ == "__main__":
     sys.exit(main())
