@@ -78,7 +78,14 @@ class ParallelConfig:
     data: int = _f(-1, "Data-parallel size (replicated params). -1: all devices the other axes leave.")
     fsdp: int = _f(1, "FSDP / ZeRO-3 size: params, grads and optimizer state sharded, batch split.")
     tensor: int = _f(1, "Megatron tensor-parallel size (heads, MLP and vocab split).")
-    stage: int = _f(1, "Pipeline stages (reserved; must be 1 until pipeline parallelism lands).")
+    stage: int = _f(1, "Pipeline stages: the stacked decoder layers are split over this mesh axis (shard_map "
+                       "over 'stage'; data, FSDP and tensor parallelism work inside each stage).")
+    pipeline_schedule: str = _f("1f1b", "With stage > 1: '1f1b' (one forward and one backward per tick, "
+                                        "activation memory flat in the number of micro batches), 'gpipe' "
+                                        "(fill-drain, gradients through the loop with remat) or 'circular' "
+                                        "(interleaved virtual stages, see virtual_stages).")
+    virtual_stages: int = _f(1, "circular schedule: layer chunks per device (Megatron's virtual pipeline); "
+                                "the bubble shrinks from (S-1)/(M+S-1) to (S-1)/(V*M+S-1).")
     sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
 
 
@@ -282,6 +289,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular")
 
 
 def compute_dtype(m: ModelConfig) -> str:
@@ -340,7 +348,14 @@ def validate(cfg: Config) -> Config:
         _check(v == -1 or v >= 1, f"parallel.{axis}", f"must be >= 1 (or -1 to fill), got {v}")
     _check(sum(getattr(p, a) == -1 for a in MESH_AXES) <= 1, "parallel",
            "at most one of data/fsdp/tensor/stage may be -1")
-    _check(p.stage == 1, "parallel.stage", f"pipeline parallelism is not available yet; must be 1, got {p.stage}")
+    _check(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
+           f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    _check(p.virtual_stages >= 1, "parallel.virtual_stages", f"must be >= 1, got {p.virtual_stages}")
+    _check(p.virtual_stages == 1 or p.pipeline_schedule == "circular", "parallel.virtual_stages",
+           f"{p.virtual_stages} virtual stages need parallel.pipeline_schedule=circular "
+           f"(got {p.pipeline_schedule!r})")
+    if p.stage > 0:
+        _check_layers_split(m, p, p.stage)
     if p.tensor > 0:
         _check(m.num_heads % p.tensor == 0, "parallel.tensor",
                f"model.num_heads={m.num_heads} is not divisible by tensor={p.tensor}")
@@ -398,6 +413,26 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _check_layers_split(m: ModelConfig, p: ParallelConfig, stages: int) -> None:
+    chunks = stages * p.virtual_stages
+    _check(m.num_layers % chunks == 0, "model.num_layers",
+           f"{m.num_layers} layers cannot be split into parallel.stage ({stages}) x parallel.virtual_stages "
+           f"({p.virtual_stages}) = {chunks} equal chunks")
+
+
+def pipeline_micro_batches(t: TrainConfig, dp: int) -> int:
+    """Micro batches per step (= gradient accumulation steps): global / (micro batch size x data parallel)."""
+    return t.global_batch_size // (micro_batch_size(t, dp) * dp)
+
+
+def pipeline_bubble(p: ParallelConfig, stages: int, micro_batches: int) -> float:
+    """Idle fraction of the pipeline schedule: (S-1)/(M+S-1), or (S-1)/(V*M+S-1) for the circular one."""
+    if stages <= 1:
+        return 0.0
+    v = p.virtual_stages if p.pipeline_schedule == "circular" else 1
+    return (stages - 1) / (v * micro_batches + stages - 1)
+
+
 def _check_batch(t: TrainConfig, dp: int) -> None:
     if t.micro_batch_size is None:
         _check(t.global_batch_size % dp == 0, "train.global_batch_size",
@@ -448,4 +483,12 @@ def validate_for_devices(cfg: Config, num_devices: int, platform: Optional[str] 
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
         _check(getattr(m, name) % sizes["tensor"] == 0, "parallel.tensor",
                f"model.{name}={getattr(m, name)} is not divisible by tensor={sizes['tensor']}")
+    p = cfg.parallel
+    if sizes["stage"] > 1:
+        _check_layers_split(m, p, sizes["stage"])
+        if p.pipeline_schedule == "circular":
+            mb = pipeline_micro_batches(t, sizes["data"] * sizes["fsdp"])
+            _check(mb >= sizes["stage"], "train.micro_batch_size",
+                   f"the circular schedule needs at least parallel.stage={sizes['stage']} micro batches per step; "
+                   f"global_batch_size / (micro_batch_size x data x fsdp) = {mb}")
     return sizes

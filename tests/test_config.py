@@ -47,7 +47,11 @@ BAD = [
     (["parallel.data=3", "train.global_batch_size=24"], "parallel"),
     (["parallel.data=1", "train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size"),
     (["model.attention_impl=flash"], "model.attention_impl"),
-    (["parallel.stage=2"], "parallel.stage"),
+    (["parallel.stage=3"], "model.num_layers"),                       # 4 layers in 3 stages
+    (["parallel.pipeline_schedule=zb"], "parallel.pipeline_schedule"),
+    (["parallel.virtual_stages=2"], "parallel.virtual_stages"),      # needs the circular schedule
+    (["parallel.stage=2", "parallel.virtual_stages=4", "parallel.pipeline_schedule=circular"], "model.num_layers"),
+    (["parallel.stage=4", "parallel.data=2", "parallel.pipeline_schedule=circular"], "train.micro_batch_size"),
     (["optim.lr=-1"], "optim.lr"),
     (["optim.schedule=step"], "optim.schedule"),
     (["model.remat=some"], "model.remat"),

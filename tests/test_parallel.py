@@ -47,10 +47,10 @@ def test_params_are_created_sharded():
     cfg = tiny_config("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2")
     run = Run(cfg, jax.devices())
     wq = run.state["params"]["layers"]["attention"]["wq"]      # [layers, embed, heads, head_dim]
-    assert wq.sharding.spec == P(None, "fsdp", "tensor", None)
+    assert wq.sharding.spec == P("stage", "fsdp", "tensor", None)   # stage has size 1 here
     assert wq.addressable_shards[0].data.shape == (2, 32, 4, 8)
     mu = run.state["opt_state"][1][0].mu["layers"]["mlp"]["w_down"]  # Adam moments follow the params
-    assert mu.sharding.spec == P(None, "tensor", "fsdp")
+    assert mu.sharding.spec == P("stage", "tensor", "fsdp")
     embed = run.state["params"]["embed"]
     assert embed.sharding.spec == P("tensor", "fsdp")
 

@@ -69,28 +69,40 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        cfg = self.cfg
-        dt = jnp.dtype(compute_dtype(cfg))
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = self.embed_tokens(tokens)
+        x = self.run_layers(x, positions, segment_ids)
+        return self.logits(x)
+
+    # The three parts of the forward, usable on their own (a pipeline runs ``run_layers`` on a slice of the
+    # stacked layers, the embedding before it and the logits after it).
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """[batch, seq] token ids -> [batch, seq, hidden] in the compute dtype."""
+        dt = jnp.dtype(compute_dtype(self.cfg))
         # Vocab-parallel lookup: the table (gathered over its FSDP shards, vocab still split) is indexed
         # by the tokens and the partial rows summed across the vocab split.
         table = constrain(self.embed[...].astype(dt), ("vocab", "act_embed"))
-        x = jnp.take(table, tokens, axis=0)
-        x = constrain(x, RESIDUAL)
-        inv_freq = rope_frequencies(cfg)
+        return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
 
+    def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
+        """The stacked decoder blocks (however many ``self.layers`` holds), scanned, with the remat policy."""
+        inv_freq = rope_frequencies(self.cfg)
         graphdef, state = nnx.split(self.layers)
 
         def block(carry, layer_state):
             layer = nnx.merge(graphdef, layer_state)
             return layer(carry, positions, segment_ids, inv_freq), None
 
-        if cfg.remat != "none":
-            block = jax.checkpoint(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        if self.cfg.remat != "none":
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         x, _ = jax.lax.scan(block, x, state)
+        return x
 
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: [batch, seq, hidden] -> fp32 logits [batch, seq, vocab]."""
         x = self.final_norm(x)
-        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))

@@ -3,7 +3,8 @@
 Model code names axes (``"embed"``, ``"heads"``, ``"act_batch"``...); this table is the only place that says
 which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) parallelism fall out of it:
 
-* params: ``embed`` over ``fsdp`` (ZeRO-3: every weight is split on its hidden dim, gathered per layer),
+* params: ``layers`` (the stacked decoder blocks' leading axis) over ``stage`` (pipeline parallelism),
+  ``embed`` over ``fsdp`` (ZeRO-3: every weight is split on its hidden dim, gathered per layer),
   ``heads``/``kv_heads``/``mlp`` over ``tensor`` (column-parallel QKV/gate/up, row-parallel out/down),
   ``vocab`` over ``tensor`` (vocab-parallel embedding and logits).
 * activations: the batch over ``data`` and ``fsdp``; heads, MLP and vocab over ``tensor``;
@@ -25,7 +26,7 @@ _PARAM_RULES: Rules = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
-    ("layers", None),  # the pipeline issue maps this onto 'stage'
+    ("layers", "stage"),  # stacked decoder layers: contiguous chunks per pipeline stage
 )
 
 # Activation axes.

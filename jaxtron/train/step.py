@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxtron.config import Config, micro_batch_size
+from jaxtron.parallel import pipeline
 from jaxtron.parallel.sharding import constrain, logical_to_spec, use_rules
 from jaxtron.train.loss import cross_entropy_sums
 from jaxtron.train.state import ModelSpec
@@ -46,16 +47,71 @@ def _sums(graphdef, params, batch, z_loss: float):
     return ce + z, (ce, n)
 
 
+STACKED = "layers"  # the model's stacked decoder blocks (leading 'layers' axis): what a pipeline splits
+
+
+def pipeline_spec(cfg: Config, mesh: Mesh, micro_batches: int, for_eval: bool = False):
+    """The pipeline schedule for this mesh, or None without pipeline stages. Evaluation (forward only) runs
+    the 1f1b configuration through the gpipe loop."""
+    stages = mesh.shape["stage"]
+    if stages == 1:
+        return None
+    schedule = cfg.parallel.pipeline_schedule
+    if for_eval and schedule == "1f1b":
+        schedule = "gpipe"
+    return pipeline.PipelineSpec(stages, micro_batches, schedule, cfg.parallel.virtual_stages)
+
+
+def _split_stacked(params: dict) -> tuple[dict, dict]:
+    return params[STACKED], {k: v for k, v in params.items() if k != STACKED}
+
+
+def _pipeline_parts(graphdef, params_struct: dict, z_loss: float):
+    """pre/stage/post for :mod:`jaxtron.parallel.pipeline`: the embedding, a chunk of the stacked layers, and
+    the logits with the loss sums. Each rebuilds the model from the params it needs; the others are scalar
+    placeholders (the part of the forward it runs never reads them)."""
+    stacked_struct, shared_struct = _split_stacked(params_struct)
+    placeholder = lambda tree: jax.tree.map(lambda _: jnp.zeros((), jnp.float32), tree)
+    model = lambda shared, layers: nnx.merge(graphdef, {**shared, STACKED: layers})
+
+    def pre(shared, mb):
+        return model(shared, placeholder(stacked_struct)).embed_tokens(mb["inputs"])
+
+    def stage(layers, x, mb):
+        return model(placeholder(shared_struct), layers).run_layers(x, mb["positions"], mb["segment_ids"])
+
+    def post(shared, x, mb):
+        logits = model(shared, placeholder(stacked_struct)).logits(x)
+        ce, z, n = cross_entropy_sums(logits, mb["targets"], mb["loss_mask"], z_loss)
+        return ce + z, (ce, n)
+
+    return pre, stage, post
+
+
+def _pipelined_grads(pspec, spec: ModelSpec, mesh: Mesh, rules, z_loss: float, params: dict, batch: dict):
+    """((ce, tokens), fp32 grads) of the whole batch through the pipeline, its micro batches as in accumulation."""
+    pre, stage, post = _pipeline_parts(spec.graphdef, params, z_loss)
+    stacked, shared = _split_stacked(params)
+    stacked_specs = jax.tree.map(lambda sh: sh.spec, spec.param_shardings[STACKED])
+    micro = _split_micro(batch, pspec.micro_batches)
+    (ce, n), (g_stacked, g_shared) = pipeline.value_and_grad(pspec, mesh, rules, pre, stage, post, stacked,
+                                                             stacked_specs, shared, micro)
+    return (ce, n), {**g_shared, STACKED: g_stacked}
+
+
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation, schedule: Callable,
                     mesh: Mesh, rules, dp: int):
     accum = accumulation_steps(cfg, dp)
     z_loss = cfg.optim.z_loss
     grad_fn = jax.value_and_grad(lambda p, b: _sums(spec.graphdef, p, b, z_loss), has_aux=True)
+    pspec = pipeline_spec(cfg, mesh, accum)
 
     def step(state, batch):
         with use_rules(rules, mesh):
             params = state["params"]
-            if accum == 1:
+            if pspec is not None:
+                (ce, n), grads = _pipelined_grads(pspec, spec, mesh, rules, z_loss, params, batch)
+            elif accum == 1:
                 (_, (ce, n)), grads = grad_fn(params, batch)
             else:
                 def body(carry, micro):
@@ -87,9 +143,18 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 
 def make_eval_step(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int):
     accum = accumulation_steps(cfg, dp)
+    pspec = pipeline_spec(cfg, mesh, accum, for_eval=True)
 
     def evaluate(params, batch):
         with use_rules(rules, mesh):
+            if pspec is not None:
+                pre, stage, post = _pipeline_parts(spec.graphdef, params, 0.0)
+                stacked, shared = _split_stacked(params)
+                stacked_specs = jax.tree.map(lambda sh: sh.spec, spec.param_shardings[STACKED])
+                _, (ce, n) = pipeline.forward_loss(pspec, mesh, rules, pre, stage, post, stacked, stacked_specs,
+                                                   shared, _split_micro(batch, accum))
+                return {"loss_sum": ce, "tokens": n}
+
             def body(carry, micro):
                 _, (ce, n) = _sums(spec.graphdef, params, micro, 0.0)
                 return (carry[0] + ce, carry[1] + n), None

@@ -1,0 +1,301 @@
+"""Pipeline parallelism: the stacked decoder layers split over the ``stage`` mesh axis.
+
+The pipelined region is a ``jax.shard_map`` that is manual over ``stage`` only, so data, FSDP and tensor
+parallelism keep working inside each stage (those axes stay automatic). Micro batches move between stages with
+``ppermute``. The model is not changed: the caller hands over three pure functions,
+
+    pre(shared, mb) -> x                   the embedding of one micro batch
+    stage(chunk, x, mb) -> x               a contiguous chunk of the stacked layers applied to x
+    post(shared, x, mb) -> (loss, aux)     loss sum to differentiate and a pytree of sums to report
+
+where ``stacked`` holds the leaves with a leading ``layers`` axis, ``shared`` the rest (embedding, final norm,
+head) and ``mb`` one micro batch (a dict of [micro_batch, seq] arrays). Schedules (S stages, M micro batches,
+V virtual stages):
+
+* ``gpipe``: fill-drain over M + S - 1 ticks; gradients by differentiating the loop, each tick's stage call
+  rematerialized, so what is kept per tick is the stage input. Bubble (S-1)/(M+S-1).
+* ``circular``: each device holds V non-adjacent chunks (device s runs chunks s, s+S, ...; Megatron's virtual
+  pipeline, MaxText's circular pipeline); micro batches loop around the ring V times over V*M + S - 1 ticks.
+  Bubble (S-1)/(V*M+S-1). The stacked weights are stored in layer order, contiguous per stage, so the step
+  regroups them (one all-to-all of the layer weights, and of their gradients, per step).
+* ``1f1b``: one forward and one backward per tick in one program (M + 2S - 2 ticks). The loop is not
+  differentiated: each tick a stage runs the forward of micro batch t - s (saving its input in a ring of 2S
+  slots) and the backward of micro batch t - (2S - 2 - s) (``jax.vjp`` of the stage on the saved input, i.e.
+  recomputed, applied to the cotangent from the next stage; the last stage differentiates the loss after its
+  layers, the first one the embedding before them); activations move forward and cotangents backward with
+  ``ppermute``, weight gradients accumulate in the carry. Activation memory is flat in M. Bubble (S-1)/(M+S-1).
+
+In ``gpipe``/``circular`` the embedding runs before the pipelined region and the loss after it, spread over the
+stages (micro batches split over ``stage`` when S divides M). In ``1f1b`` they run inside it, on the first and
+last stage, because the backward of a micro batch starts as soon as its forward leaves the last stage.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtron.parallel.sharding import use_rules
+
+AXIS = "stage"
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    stages: int
+    micro_batches: int
+    schedule: str = "1f1b"      # '1f1b' | 'gpipe' | 'circular'
+    virtual_stages: int = 1     # circular only
+
+    @property
+    def chunks_per_device(self) -> int:
+        return self.virtual_stages if self.schedule == "circular" else 1
+
+    @property
+    def ticks(self) -> int:
+        s, m, v = self.stages, self.micro_batches, self.chunks_per_device
+        return m + 2 * s - 2 if self.schedule == "1f1b" else v * m + s - 1
+
+    @property
+    def bubble(self) -> float:
+        s, m, v = self.stages, self.micro_batches, self.chunks_per_device
+        return (s - 1) / (v * m + s - 1)
+
+
+# ------------------------------------------------------------------------------------------------ layout
+
+
+def _chunked(stacked: Any, stacked_specs: Any, spec: PipelineSpec, mesh: Mesh) -> Any:
+    """[L, ...] leaves (contiguous per stage) -> [S, V, L/(S*V), ...], device s holding chunks s, s+S, ...
+
+    With V = 1 this is a local reshape (no data moves); with V > 1 it regroups the layers across stages."""
+    s, v = spec.stages, spec.chunks_per_device
+
+    def one(w, pspec):
+        n = w.shape[0]
+        rest = tuple(pspec)[1:] + (None,) * (w.ndim - len(tuple(pspec)))
+        if v == 1:
+            w = w.reshape(s, 1, n // s, *w.shape[1:])
+        else:  # chunk c = r * S + stage holds layers [c * Lc, (c + 1) * Lc)
+            w = w.reshape(v, s, n // (s * v), *w.shape[1:]).swapaxes(0, 1)
+        return lax.with_sharding_constraint(w, NamedSharding(mesh, P(AXIS, None, None, *rest)))
+
+    return jax.tree.map(one, stacked, stacked_specs)
+
+
+def _unchunked(chunks: Any, spec: PipelineSpec) -> Any:
+    """Inverse of :func:`_chunked` (for gradients)."""
+    v = spec.chunks_per_device
+
+    def one(w):
+        if v > 1:
+            w = w.swapaxes(0, 1)
+        return w.reshape(-1, *w.shape[3:])
+
+    return jax.tree.map(one, chunks)
+
+
+def _index(tree: Any, i) -> Any:
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _stage_specs(tree: Any) -> Any:
+    return jax.tree.map(lambda _: P(AXIS), tree)
+
+
+def _replicated(tree: Any) -> Any:
+    return jax.tree.map(lambda _: P(), tree)
+
+
+def _shard_map(fn, mesh: Mesh, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset({AXIS}),
+                         check_vma=False)
+
+
+def _in_stage_rules(fn: Callable, rules) -> Callable:
+    """Inside the shard_map, constraints name the automatic axes through the context (partly manual) mesh."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with use_rules(rules, None):
+            return fn(*args)
+    return wrapped
+
+
+# ------------------------------------------------------------------------------------------ gpipe/circular
+
+
+def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chunks: Any, xs: jax.Array,
+                     micro: dict) -> jax.Array:
+    """Run the stage loop on embedded micro batches xs [M, mb, seq, d]; the last chunk's outputs [M, ...],
+    split over ``stage`` along M when S divides M (else replicated)."""
+    S, M, V = spec.stages, spec.micro_batches, spec.chunks_per_device
+    split_out = M % S == 0
+
+    @jax.checkpoint
+    def run_chunk(local, v, x, m):  # rematerialized: the backward keeps only the stage input per tick
+        return stage(_index(local, v), x, _index(micro, m))
+
+    def body(chunks, xs, micro_in):
+        local = jax.tree.map(lambda a: a[0], chunks)                     # [V, Lc, ...]
+        s = lax.axis_index(AXIS)
+        ring = [(j, (j + 1) % S) for j in range(S)]
+
+        def tick(carry, t):
+            cur, loop_buf, outs = carry
+            i = t - s
+            valid = (i >= 0) & (i < V * M)
+            ic = jnp.clip(i, 0, V * M - 1)
+            v, m = ic // M, ic % M
+            first = xs[m] if V == 1 else jnp.where(v == 0, xs[m], loop_buf[m])
+            x_in = jnp.where(s == 0, first, cur)
+            y = run_chunk(local, v, x_in, m)
+            done = valid & (s == S - 1) & (v == V - 1)
+            outs = outs.at[m].set(jnp.where(done, y, outs[m]))
+            nxt = lax.ppermute(y, AXIS, ring)
+            if V > 1:  # stage 0 keeps what the last stage sends back until that micro batch's next repeat
+                il = t - (S - 1)
+                back = (s == 0) & (il >= 0) & (il < (V - 1) * M)
+                ml = jnp.clip(il, 0, V * M - 1) % M
+                loop_buf = loop_buf.at[ml].set(jnp.where(back, nxt, loop_buf[ml]))
+            return (nxt, loop_buf, outs), None
+
+        zeros = jnp.zeros_like(xs[0])
+        carry = (zeros, jnp.zeros_like(xs) if V > 1 else None, jnp.zeros_like(xs))
+        (_, _, outs), _ = lax.scan(tick, carry, jnp.arange(spec.ticks))
+        outs = jnp.where(s == S - 1, outs, jnp.zeros_like(outs))
+        if split_out:
+            return lax.psum_scatter(outs, AXIS, scatter_dimension=0, tiled=True)
+        return lax.psum(outs, AXIS)
+
+    fn = _shard_map(_in_stage_rules(body, rules), mesh, (_stage_specs(chunks), P(), _replicated(micro)),
+                    P(AXIS) if split_out else P())
+    return fn(chunks, xs, micro)
+
+
+def _per_micro(spec: PipelineSpec, mesh: Mesh, fn: Callable, shared: Any, xs: Any, micro: dict):
+    """Sum of ``fn(shared, xs[m], micro[m])`` over micro batches, the stages working on different micro
+    batches in parallel when S divides M; each call rematerialized (only its inputs are kept)."""
+    S, M = spec.stages, spec.micro_batches
+    f = jax.checkpoint(fn)
+    if M % S:
+        def body(acc, xm):
+            return jax.tree.map(jnp.add, acc, f(shared, *xm)), None
+        first = jax.eval_shape(f, shared, *_index((xs, micro), 0))
+        zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), first)
+        return lax.scan(body, zero, (xs, micro))[0]
+    # [M] (split over stage in S contiguous blocks) -> [M/S, S]: step r works on micro batch j*M/S + r on stage j
+    regroup = lambda a: a.reshape(S, M // S, *a.shape[1:]).swapaxes(0, 1)
+    group = jax.vmap(f, in_axes=(None, 0, 0), spmd_axis_name=AXIS)
+
+    def body(acc, xm):
+        out = group(shared, *xm)
+        return jax.tree.map(lambda a, b: a + b.sum(0), acc, out), None
+
+    first = jax.eval_shape(group, shared, *_index(jax.tree.map(regroup, (xs, micro)), 0))
+    zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), first)
+    return lax.scan(body, zero, jax.tree.map(regroup, (xs, micro)))[0]
+
+
+def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
+                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
+    """(loss, aux) summed over the micro batches, through the gpipe/circular forward loop. Differentiable."""
+    chunks = _chunked(stacked, stacked_specs, spec, mesh)
+    embed_one = lambda shared, mb: pre(shared, mb)
+    xs = jax.vmap(embed_one, in_axes=(None, 0))(shared, micro)               # [M, mb, seq, d]
+    outs = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro)
+    return _per_micro(spec, mesh, post, shared, outs, micro)
+
+
+# -------------------------------------------------------------------------------------------------- 1f1b
+
+
+def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
+                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
+    S, M = spec.stages, spec.micro_batches
+    R = 2 * S  # ring slots: a stage holds at most 2(S-1-s)+1 inputs between their forward and backward
+    chunks = _chunked(stacked, stacked_specs, spec, mesh)
+    mb0 = _index(micro, 0)
+    x_aval = jax.eval_shape(pre, shared, mb0)
+    aux_aval = jax.eval_shape(lambda: post(shared, jnp.zeros(x_aval.shape, x_aval.dtype), mb0)[1])
+
+    def body(chunks, shared, micro):
+        local = jax.tree.map(lambda a: a[0, 0], chunks)                    # [Lc, ...]
+        s = lax.axis_index(AXIS)
+        is_first, is_last = s == 0, s == S - 1
+        zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
+        zero_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_aval)
+
+        def f(params, x_in, m):
+            """This stage's part of micro batch m: ((output, loss), aux)."""
+            local, shared = params
+            mb = _index(micro, m)
+            x0 = lax.cond(is_first, lambda: pre(shared, mb), lambda: x_in)
+            y = stage(local, x0, mb)
+            loss, aux = lax.cond(is_last, lambda: post(shared, y, mb),
+                                 lambda: (jnp.zeros((), jnp.float32), zero_aux))
+            return (y, loss), aux
+
+        def tick(carry, t):
+            fwd_in, bwd_in, ring, grads, sums = carry
+            m_f = t - s
+            valid_f = (m_f >= 0) & (m_f < M)
+            mf = jnp.clip(m_f, 0, M - 1)
+            ring = ring.at[mf % R].set(jnp.where(valid_f, fwd_in, ring[mf % R]))
+            # The last stage's forward is recomputed by its backward in this same tick.
+            y = lax.cond(valid_f & ~is_last, lambda: f((local, shared), fwd_in, mf)[0][0], lambda: zeros_x)
+
+            m_b = t - (2 * S - 2 - s)
+            valid_b = (m_b >= 0) & (m_b < M)
+            mb_i = jnp.clip(m_b, 0, M - 1)
+
+            def backward(grads, sums):
+                (_, loss), vjp, aux = jax.vjp(lambda p, x: f(p, x, mb_i), (local, shared), ring[mb_i % R],
+                                              has_aux=True)
+                dy = jnp.where(is_last, jnp.zeros_like(bwd_in), bwd_in)
+                dparams, dx = vjp((dy, jnp.where(is_last, 1.0, 0.0).astype(loss.dtype)))
+                grads = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, dparams)
+                return grads, jax.tree.map(jnp.add, sums, aux), dx
+
+            grads, sums, dx = lax.cond(valid_b, backward, lambda g, a: (g, a, zeros_x), grads, sums)
+            fwd_next = lax.ppermute(y, AXIS, [(j, j + 1) for j in range(S - 1)])
+            bwd_next = lax.ppermute(dx, AXIS, [(j, j - 1) for j in range(1, S)])
+            return (fwd_next, bwd_next, ring, grads, sums), None
+
+        grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (local, shared))
+        carry = (zeros_x, zeros_x, jnp.zeros((R,) + zeros_x.shape, zeros_x.dtype), grads0, zero_aux)
+        (_, _, _, (g_local, g_shared), sums), _ = lax.scan(tick, carry, jnp.arange(spec.ticks))
+        g_shared = lax.psum(g_shared, AXIS)   # embedding grads live on the first stage, head grads on the last
+        sums = lax.psum(sums, AXIS)
+        return jax.tree.map(lambda g: g[None, None], g_local), g_shared, sums
+
+    fn = _shard_map(_in_stage_rules(body, rules), mesh,
+                    (_stage_specs(chunks), _replicated(shared), _replicated(micro)),
+                    (_stage_specs(chunks), _replicated(shared), P()))
+    g_chunks, g_shared, sums = fn(chunks, shared, micro)
+    return sums, (_unchunked(g_chunks, spec), g_shared)
+
+
+# ----------------------------------------------------------------------------------------------- public
+
+
+def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
+                   stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
+    """``(aux_sums, (grads_stacked, grads_shared))`` of the summed loss over ``micro`` ([M, mb, seq] arrays).
+
+    ``post`` returns ``(loss, aux)``; the gradient is that of the sum of ``loss`` over micro batches, in fp32.
+    ``stacked_specs`` are the PartitionSpecs of the stacked leaves (leading axis over 'stage')."""
+    if spec.schedule == "1f1b":
+        return _one_f_one_b(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro)
+
+    def total(stacked, shared):
+        loss, aux = forward_loss(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro)
+        return loss, aux
+
+    (_, aux), grads = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(stacked, shared)
+    return aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
