@@ -93,6 +93,22 @@ class Run:
     def state(self, value: dict) -> None:
         self._state = value
 
+    def log_summary(self) -> None:
+        """The start-up summary: model size, steps, batch, accumulation and the pipeline schedule's bubble."""
+        cfg = self.cfg
+        accum = accumulation_steps(cfg, self.dp)
+        log.info("model: %.2fM params; %d steps of %d x %d tokens; %s %d",
+                 sum(np.prod(x.shape) for x in jax.tree.leaves(self.spec.abstract_state["params"])) / 1e6,
+                 cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len,
+                 "micro batches" if self.mesh_shape["stage"] > 1 else "grad accumulation", accum)
+        stages = self.mesh_shape["stage"]
+        if stages > 1:
+            p = cfg.parallel
+            virtual = f" x {p.virtual_stages} virtual" if p.pipeline_schedule == "circular" else ""
+            log.info("pipeline %s: %d stages%s, %d micro batches, bubble %.1f%% (MFU counts only model FLOPs)",
+                     p.pipeline_schedule, stages, virtual, accum,
+                     100 * config_lib.pipeline_bubble(p, stages, accum))
+
     # ------------------------------------------------------------------------------------ checkpoints
     def _open_checkpoints(self) -> Optional[Checkpointer]:
         c = self.cfg.checkpoint
@@ -301,7 +317,5 @@ def run(cfg: Config) -> RunResult:
         with open(os.path.join(cfg.train.output_dir, "config.yaml"), "w") as f:
             f.write(config_lib.to_yaml(cfg))
     r = Run(cfg)
-    log.info("model: %.2fM params; %d steps of %d x %d tokens; grad accumulation %d",
-             sum(np.prod(x.shape) for x in jax.tree.leaves(r.spec.abstract_state["params"])) / 1e6, cfg.train.steps,
-             cfg.train.global_batch_size, cfg.data.seq_len, accumulation_steps(cfg, r.dp))
+    r.log_summary()
     return r.train()

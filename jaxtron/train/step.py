@@ -99,29 +99,43 @@ def _pipelined_grads(pspec, spec: ModelSpec, mesh: Mesh, rules, z_loss: float, p
     return (ce, n), {**g_shared, STACKED: g_stacked}
 
 
-def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation, schedule: Callable,
-                    mesh: Mesh, rules, dp: int):
+def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int) -> Callable:
+    """``(params, batch) -> ((ce_sum, tokens), grads)``: summed cross entropy, token count and the fp32
+    gradient of the summed loss (cross entropy + z-loss) over the whole batch, through gradient accumulation
+    or the pipeline schedule. Pure; trace it under ``use_rules(rules, mesh)``."""
     accum = accumulation_steps(cfg, dp)
     z_loss = cfg.optim.z_loss
     grad_fn = jax.value_and_grad(lambda p, b: _sums(spec.graphdef, p, b, z_loss), has_aux=True)
     pspec = pipeline_spec(cfg, mesh, accum)
 
+    def loss_and_grads(params, batch):
+        if pspec is not None:
+            return _pipelined_grads(pspec, spec, mesh, rules, z_loss, params, batch)
+        if accum == 1:
+            (_, (ce, n)), grads = grad_fn(params, batch)
+            return (ce, n), grads
+
+        def body(carry, micro):
+            g_acc, ce_acc, n_acc = carry
+            (_, (ce, n)), g = grad_fn(params, micro)
+            return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, n_acc + n), None
+
+        zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
+                             params, spec.param_shardings)
+        (grads, ce, n), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero()), _split_micro(batch, accum))
+        return (ce, n), grads
+
+    return loss_and_grads
+
+
+def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation, schedule: Callable,
+                    mesh: Mesh, rules, dp: int):
+    loss_and_grads = make_loss_and_grads(cfg, spec, mesh, rules, dp)
+
     def step(state, batch):
         with use_rules(rules, mesh):
             params = state["params"]
-            if pspec is not None:
-                (ce, n), grads = _pipelined_grads(pspec, spec, mesh, rules, z_loss, params, batch)
-            elif accum == 1:
-                (_, (ce, n)), grads = grad_fn(params, batch)
-            else:
-                def body(carry, micro):
-                    g_acc, ce_acc, n_acc = carry
-                    (_, (ce, n)), g = grad_fn(params, micro)
-                    return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, n_acc + n), None
-
-                zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
-                                     params, spec.param_shardings)
-                (grads, ce, n), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero()), _split_micro(batch, accum))
+            (ce, n), grads = loss_and_grads(params, batch)
             n = jnp.maximum(n, 1.0)
             grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, params)
             grad_norm = optax.global_norm(grads)
