@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,32 +40,74 @@ def _f32zero() -> jax.Array:
 
 
 def _sums(graphdef, params, batch, z_loss: float):
+    """(objective sum, (reported loss sum, token count, aux sums)) of the built-in loss."""
     model = nnx.merge(graphdef, params)
     logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
     ce, z, n = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
-    return ce + z, (ce, n)
+    return ce + z, (ce, n, {})
+
+
+# names a custom loss's aux entries may not take: the step's metrics and the loop's metrics.jsonl record
+RESERVED_METRICS = ("step", "loss", "grad_norm", "lr", "tokens", "skipped", "skipped_steps", "eval_loss",
+                    "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+                    "tflops_per_device_causal", "mfu", "mfu_causal")
+
+
+def _custom_sums(loss_fn: Callable, graphdef, params, batch):
+    """A user loss ``loss_fn(model, batch) -> (loss_sum, aux)`` in the shape of :func:`_sums`."""
+    model = nnx.merge(graphdef, params)
+    out = loss_fn(model, batch)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"loss_fn must return (loss_sum, aux), got {type(out).__name__}")
+    loss_sum, aux = out
+    loss_sum = jnp.asarray(loss_sum)
+    if loss_sum.shape != () or not jnp.issubdtype(loss_sum.dtype, jnp.floating):
+        raise TypeError(f"loss_fn: loss_sum must be a float scalar, got {loss_sum.dtype}{list(loss_sum.shape)}")
+    aux = {} if aux is None else aux
+    if not isinstance(aux, dict):
+        raise TypeError(f"loss_fn: aux must be a dict of scalars (or None), got {type(aux).__name__}")
+    sums = {}
+    for k, v in aux.items():
+        v = jnp.asarray(v)
+        if k in RESERVED_METRICS or not isinstance(k, str):
+            raise ValueError(f"loss_fn: aux key {k!r} is reserved or not a string (reserved: {RESERVED_METRICS})")
+        if v.shape != ():
+            raise TypeError(f"loss_fn: aux[{k!r}] must be a scalar, got shape {list(v.shape)}")
+        sums[k] = v.astype(jnp.float32)
+    n = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    return loss_sum, (loss_sum.astype(jnp.float32), n, sums)
 
 
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation, schedule: Callable,
-                    mesh: Mesh, rules, dp: int):
+                    mesh: Mesh, rules, dp: int, loss_fn: Optional[Callable] = None):
+    """The jitted train step. ``loss_fn(model, batch) -> (loss_sum, aux)`` replaces the built-in cross entropy
+    (plus ``optim.z_loss``); see :class:`jaxtron.train.loop.Trainer` for the contract."""
     accum = accumulation_steps(cfg, dp)
     z_loss = cfg.optim.z_loss
-    grad_fn = jax.value_and_grad(lambda p, b: _sums(spec.graphdef, p, b, z_loss), has_aux=True)
+    if loss_fn is None:
+        sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss)
+    else:
+        sums = lambda p, b: _custom_sums(loss_fn, spec.graphdef, p, b)
+    grad_fn = jax.value_and_grad(sums, has_aux=True)
 
     def step(state, batch):
         with use_rules(rules, mesh):
             params = state["params"]
             if accum == 1:
-                (_, (ce, n)), grads = grad_fn(params, batch)
+                (_, (ce, n, aux)), grads = grad_fn(params, batch)
             else:
                 def body(carry, micro):
-                    g_acc, ce_acc, n_acc = carry
-                    (_, (ce, n)), g = grad_fn(params, micro)
-                    return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, n_acc + n), None
+                    g_acc, ce_acc, n_acc, aux_acc = carry
+                    (_, (ce, n, aux)), g = grad_fn(params, micro)
+                    return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, n_acc + n,
+                            jax.tree.map(jnp.add, aux_acc, aux)), None
 
                 zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
                                      params, spec.param_shardings)
-                (grads, ce, n), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero()), _split_micro(batch, accum))
+                micro = _split_micro(batch, accum)
+                aux0 = jax.tree.map(lambda _: _f32zero(),  # the aux sums' names, from the loss's trace
+                                    jax.eval_shape(sums, params, jax.tree.map(lambda x: x[0], micro))[1][2])
+                (grads, ce, n, aux), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero(), aux0), micro)
             n = jnp.maximum(n, 1.0)
             grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, params)
             grad_norm = optax.global_norm(grads)
@@ -78,7 +120,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
             metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n,
-                       "skipped": jnp.logical_not(ok)}
+                       "skipped": jnp.logical_not(ok), **{k: v / n for k, v in aux.items()}}
             return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(mesh, rules)),
@@ -91,7 +133,7 @@ def make_eval_step(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int):
     def evaluate(params, batch):
         with use_rules(rules, mesh):
             def body(carry, micro):
-                _, (ce, n) = _sums(spec.graphdef, params, micro, 0.0)
+                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0)
                 return (carry[0] + ce, carry[1] + n), None
             (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), _split_micro(batch, accum))
             return {"loss_sum": ce, "tokens": n}
