@@ -136,11 +136,11 @@ def test_trainer_loop_with_custom_loss_and_callbacks(tmp_path):
     assert [r["step"] for r in train] == [2, 4]
     for r in train:
         assert r["z_share"] == pytest.approx(r["z_loss"] / r["loss"]) and r["loss"] == pytest.approx(r["ce"] + r["z_loss"])
-    # the next run resumes from the checkpoint the stop wrote and finishes
-    rec2 = Recorder()
-    again = jaxtron.Trainer(cfg, jax.devices()[:2], loss_fn=z_loss, callbacks=[rec2]).train()
+    # train() again continues from the trainer's own state to the end
+    again = trainer.train()
     assert again.start_step == 4 and again.final_step == 6 and again.stopped_by is None
-    assert rec2.events[0] == ("begin", 4) and rec2.events[-1] == ("end", 6, None)
+    assert rec.events[10] == ("begin", 4) and rec.events[-1] == ("end", 6, None)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "6"]
 
 
 def test_bad_loss_and_callback_are_named():

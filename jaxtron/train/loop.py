@@ -168,8 +168,9 @@ class Trainer:
         self.callbacks = [_as_callback(cb) for cb in callbacks]
         self._state: Optional[dict] = None
         self._step_count: Optional[int] = None  # host copy of state["step"] (None: read it from the state)
-        self.train_step = make_train_step(cfg, self.spec, self.tx, self.schedule, self.mesh, self.rules, self.dp,
-                                          loss_fn=loss_fn)
+        self._jitted_train_step = make_train_step(cfg, self.spec, self.tx, self.schedule, self.mesh, self.rules,
+                                                  self.dp, loss_fn=loss_fn)
+        self.train_step = self._jitted_train_step  # train() replaces it with its ahead-of-time compiled form
         self.eval_step = make_eval_step(cfg, self.spec, self.mesh, self.rules, self.dp)
         self.batch_sharding = batch_sharding(self.mesh, self.rules)
         self.num_devices = len(devices)
@@ -432,7 +433,7 @@ class Trainer:
         stream = batch_stream(data, t.global_batch_size, start, t.steps)
         first = put_local_batch(next(stream), self.batch_sharding, t.global_batch_size)
         t0 = time.perf_counter()
-        self.train_step = self.train_step.lower(self.state, first).compile()
+        self.train_step = self._jitted_train_step.lower(self.state, first).compile()
         result.compile_seconds = time.perf_counter() - t0
         log.info("compiled the train step in %.1f s on %d devices, mesh %s", result.compile_seconds,
                  self.num_devices, self.mesh_shape)
