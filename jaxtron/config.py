@@ -15,7 +15,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 from omegaconf import OmegaConf
@@ -252,6 +252,27 @@ def load(path: Optional[str] = None, overrides: Sequence[str] = (), validate_con
     return cfg
 
 
+def load_config(path: Optional[str] = None, overrides: Sequence[str] | Mapping[str, Any] = (),
+                validate_config: bool = True) -> Config:
+    """Load a :class:`Config`: the dataclass defaults (the ``tiny`` preset), then the YAML ``path`` (a preset
+    name such as ``"llama3_8b"`` or a file), then ``overrides``: dotted ``"section.field=value"`` strings, as
+    on the command line, or a dict ``{"section.field": value}``. Raises :class:`ConfigError`, whose message
+    starts with the offending field, on unknown fields, wrong types and inconsistent values.
+
+        cfg = jaxtron.load_config("tiny", {"train.steps": 30, "parallel.fsdp": 2})"""
+    if isinstance(overrides, Mapping):
+        items = []
+        for key, value in overrides.items():
+            if isinstance(value, (dict, list, tuple)):
+                raise ConfigError(str(key), f"override values must be scalars, got {type(value).__name__}")
+            text = "null" if value is None else (str(value).lower() if isinstance(value, bool) else str(value))
+            items.append(f"{key}={text}")
+        overrides = items
+    elif isinstance(overrides, str):
+        overrides = [overrides]
+    return load(None if path is None else os.fspath(path), list(overrides), validate_config)
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
@@ -267,18 +288,55 @@ def from_dict(d: dict) -> Config:
         raise _omegaconf_error(err, "dict") from None
 
 
-def fields_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted name, default, doc) for every leaf field, for ``--help`` and the docs."""
-    rows = []
+def _leaf_fields(cls: type, prefix: str = ""):
+    """(dotted name, default value, doc) for every leaf field of the dataclass ``cls``."""
     inst = cls()
     for f in dataclasses.fields(cls):
         value = getattr(inst, f.name)
         name = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
-            rows.extend(fields_help(type(value), name + "."))
+            yield from _leaf_fields(type(value), name + ".")
         else:
-            rows.append((name, repr(value), f.metadata.get("doc", "")))
-    return rows
+            yield name, value, f.metadata.get("doc", "")
+
+
+def fields_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, doc) for every leaf field, for ``--help`` and the docs."""
+    return [(name, repr(value), doc) for name, value, doc in _leaf_fields(cls, prefix)]
+
+
+REFERENCE_HEADER = """\
+# Config reference
+
+<!-- Generated from the dataclass docs in jaxtron/config.py by `python scripts/gen_config_reference.py`;
+     do not edit by hand (tests/test_docs.py checks it is current). -->
+
+Every field of `jaxtron.config.Config`, its default (the `tiny` preset) and what it does. Set fields in a
+YAML file (`--config FILE`, sections as mappings), as dotted overrides on the command line
+(`python -m jaxtron.train section.field=value`), or in Python with
+`jaxtron.load_config(path, {"section.field": value})`. Defaults are written as in YAML. A bad value stops
+the program before anything is compiled, with one line that starts with the field's name.
+"""
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("\n", " ")
+
+
+def reference_markdown() -> str:
+    """The config reference (``docs/config.md``): one table per section, from the dataclass field docs."""
+    out = [REFERENCE_HEADER]
+    inst = Config()
+    for section in dataclasses.fields(Config):
+        out.append(f"## `{section.name}`\n")
+        out.append(f"{section.metadata.get('doc', '')}\n")
+        out.append("| field | default | description |")
+        out.append("|---|---|---|")
+        for name, default, doc in _leaf_fields(type(getattr(inst, section.name)), section.name + "."):
+            text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            out.append(f"| `{name}` | `{_md_cell(text)}` | {_md_cell(doc)} |")
+        out.append("")
+    return "\n".join(out)
 
 
 # -------------------------------------------------------------------------------------------- validation

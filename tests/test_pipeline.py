@@ -58,7 +58,7 @@ def grads_and_losses(cfg, devices, with_grads=True):
             with use_rules(run.rules, run.mesh):
                 return loss_and_grads(params, batch)
 
-        (ce, _), g = jax.jit(grads)(run.state["params"], batch)
+        (ce, _, _), g = jax.jit(grads)(run.state["params"], batch)
         ce, g = float(ce), jax.tree.map(np.asarray, g)
     history = []
     for _ in range(STEPS):

@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -34,8 +34,9 @@ Inputs, by file name:
 Documents whose text tokenizes to nothing are skipped (as in Megatron-LM)."""
 
 
-class InputError(Exception):
-    """Bad input: reported as one ``error: ...`` line and exit status 2."""
+class InputError(ValueError):
+    """Bad input (the message names the file and line); the CLI reports it as one ``error: ...`` line and exit
+    status 2."""
 
 
 def _is_jsonl(path: str) -> bool:
@@ -155,37 +156,48 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.workers < 1:
-        return _fail(f"--workers must be at least 1, got {args.workers}")
-    for path in args.input:
+def prepare(inputs: Sequence[str], output_prefix: str, tokenizer: str = "byte", *, json_key: str = "text",
+            append_eod: bool = False, workers: int = 1, progress: bool = False) -> dict:
+    """Tokenize ``inputs`` (JSONL(.gz) files with the text under ``json_key``, or plain text files, one
+    document each) into ``<output_prefix>.bin`` / ``.idx`` (Megatron-LM's layout; see ``DESCRIPTION``).
+
+    ``tokenizer``: ``byte``, a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model``;
+    ``append_eod`` adds its end-of-document id after every document; ``workers`` tokenizer processes.
+    Returns ``{"bin", "idx", "documents", "tokens", "dtype", "input_bytes", "seconds"}``. Raises
+    :class:`InputError` (a ValueError) naming the file (and line) on bad input; nothing is left behind then."""
+    inputs = [os.fspath(p) for p in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    output_prefix = os.fspath(output_prefix)
+    if not inputs:
+        raise InputError("--input: no input files")
+    if workers < 1:
+        raise InputError(f"--workers must be at least 1, got {workers}")
+    for path in inputs:
         if not os.path.isfile(path):
-            return _fail(f"{path}: input file not found")
+            raise InputError(f"{path}: input file not found")
     try:
-        tok = load_tokenizer(args.tokenizer)
+        tok = load_tokenizer(tokenizer)
     except TokenizerError as e:
-        return _fail(str(e))
+        raise InputError(str(e)) from None
     dtype = np.dtype(best_dtype(tok.vocab_size))
-    total_in = sum(os.path.getsize(p) for p in args.input)
+    total_in = sum(os.path.getsize(p) for p in inputs)
 
     t0 = time.perf_counter()
-    writer = IndexedDatasetWriter(args.output_prefix, dtype)
-    init_args = (args.tokenizer, args.json_key, args.append_eod, dtype.name)
+    writer = IndexedDatasetWriter(output_prefix, dtype)
+    init_args = (tokenizer, json_key, append_eod, dtype.name)
     pool = None
     n_docs = n_tokens = n_bytes = 0
     bar = None
     try:
-        if args.workers > 1:
+        if workers > 1:
             # spawn: safe even when the caller has threads running (e.g. JAX imported in the same process)
-            pool = mp.get_context("spawn").Pool(args.workers, initializer=_init_worker, initargs=init_args)
-            results = pool.imap(_process, _tasks(args.input), chunksize=1)
+            pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init_args)
+            results = pool.imap(_process, _tasks(inputs), chunksize=1)
         else:
             _init_worker(*init_args)
-            results = map(_process, _tasks(args.input))
-        if not args.no_progress:
+            results = map(_process, _tasks(inputs))
+        if progress:
             from tqdm import tqdm
-            total = None if any(p.endswith(".gz") for p in args.input) else total_in  # .gz: sizes differ
+            total = None if any(p.endswith(".gz") for p in inputs) else total_in  # .gz: sizes differ
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
         for docs, nbytes, err in results:
             if err:
@@ -199,28 +211,33 @@ def main(argv: list[str] | None = None) -> int:
             if bar is not None:
                 bar.update(nbytes)
         if n_docs == 0:
-            raise InputError(f"no documents found in {', '.join(args.input)} (empty input)")
+            raise InputError(f"no documents found in {', '.join(inputs)} (empty input)")
         writer.finalize()
-    except InputError as e:
-        failure = str(e)
-        writer.abort()
     except BaseException:
         writer.abort()
         raise
-    else:
-        failure = None
     finally:
         if bar is not None:
             bar.close()
         if pool is not None:
             pool.terminate()
             pool.join()
-    if failure is not None:
-        return _fail(failure)
-    dt = max(time.perf_counter() - t0, 1e-9)
-    mb = total_in / 1e6
-    print(f"wrote {bin_path(args.output_prefix)} and {idx_path(args.output_prefix)}: {n_docs} documents, "
-          f"{n_tokens} tokens ({dtype.name}), {mb:.1f} MB input in {dt:.1f} s = {mb / dt:.1f} MB/s")
+    return {"bin": bin_path(output_prefix), "idx": idx_path(output_prefix), "documents": n_docs,
+            "tokens": n_tokens, "dtype": dtype.name, "input_bytes": total_in,
+            "seconds": max(time.perf_counter() - t0, 1e-9)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out = prepare(args.input, args.output_prefix, args.tokenizer, json_key=args.json_key,
+                      append_eod=args.append_eod, workers=args.workers, progress=not args.no_progress)
+    except InputError as e:
+        return _fail(str(e))
+    mb = out["input_bytes"] / 1e6
+    print(f"wrote {out['bin']} and {out['idx']}: {out['documents']} documents, "
+          f"{out['tokens']} tokens ({out['dtype']}), {mb:.1f} MB input in {out['seconds']:.1f} s = "
+          f"{mb / out['seconds']:.1f} MB/s")
     return 0
 
 

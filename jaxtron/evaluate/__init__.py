@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import types
 from typing import Iterable, Iterator, Optional
 
 import jax.numpy as jnp
@@ -139,3 +141,13 @@ def data_kind(data: str) -> tuple[str, str]:
     if os.path.isfile(data):
         return "text", data
     raise ValueError(f"--data: {os.path.abspath(data)} is neither a text file nor a .bin/.idx prefix")
+
+
+class _CallableModule(types.ModuleType):
+    """``jaxtron.evaluate(...)`` calls :func:`evaluate` (the package ``jaxtron`` re-exports this module)."""
+
+    def __call__(self, *args, **kwargs) -> dict:
+        return evaluate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -30,6 +30,8 @@ import dataclasses
 import functools
 import json
 import os
+import sys
+import types
 from typing import NamedTuple, Optional
 
 import jax
@@ -254,3 +256,13 @@ def check_tokenizer_fits(tok, vocab_size: int, what: str = "--tokenizer") -> Non
 
 def to_json(obj) -> str:
     return json.dumps(obj, ensure_ascii=False)
+
+
+class _CallableModule(types.ModuleType):
+    """``jaxtron.generate(...)`` calls :func:`generate` (the package ``jaxtron`` re-exports this module)."""
+
+    def __call__(self, *args, **kwargs) -> GenerateOutput:
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

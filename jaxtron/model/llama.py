@@ -54,6 +54,14 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderBlock:
 
 
 class Llama(nnx.Module):
+    """A Llama-family decoder (Llama 2/3, Qwen2) as a Flax NNX module: embed -> scanned decoder blocks ->
+    RMSNorm -> LM head. ``Llama(cfg.model, rngs=nnx.Rngs(seed))`` builds it on the default device;
+    ``jaxtron.create_model(cfg, mesh)`` builds it with its parameters sharded on a mesh.
+
+    ``model(tokens, positions=None, segment_ids=None)``: ``tokens`` int ``[batch, seq]`` -> fp32 logits
+    ``[batch, seq, vocab]``. ``positions`` (RoPE; default 0..seq-1) and ``segment_ids`` (packed documents
+    attend only within their segment) are int ``[batch, seq]``. Parameters carry logical axis names only."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = jnp.dtype(cfg.param_dtype)

@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtron.config import MESH_AXES, ConfigError, ParallelConfig, resolve_mesh_shape
+from jaxtron.config import MESH_AXES, Config, ConfigError, ParallelConfig, resolve_mesh_shape
 
 # Outermost first: data and stage span hosts, tensor (then fsdp) stay innermost, inside a node.
 MESH_ORDER = ("stage", "data", "fsdp", "tensor")
@@ -32,10 +32,13 @@ def _hybrid_mesh(shape: tuple[int, ...], devices) -> np.ndarray:
                                                 allow_split_physical_axes=True)
 
 
-def build_mesh(parallel: ParallelConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A mesh with axes ('stage', 'data', 'fsdp', 'tensor') over ``devices`` (default: all devices).
+def build_mesh(parallel: ParallelConfig | Config, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A mesh with axes ('stage', 'data', 'fsdp', 'tensor') over ``devices`` (default: all devices), sized by
+    ``parallel`` (a whole :class:`~jaxtron.config.Config` or its ``parallel`` section; one axis may be -1).
 
     Axes are ``AxisType.Auto`` (GSPMD/Shardy propagation plus logical constraints)."""
+    if isinstance(parallel, Config):
+        parallel = parallel.parallel
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_mesh_shape(parallel, len(devices))
     shape = tuple(sizes[a] for a in MESH_ORDER)

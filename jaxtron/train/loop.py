@@ -1,4 +1,8 @@
-"""The training run: config -> mesh -> sharded state -> jitted step -> metrics, evaluation."""
+"""The training run: config -> mesh -> sharded state -> jitted step -> metrics, evaluation.
+
+:class:`Trainer` (``jaxtron.Trainer``) holds the pieces and runs them: :meth:`Trainer.step` is one optimizer
+step, :meth:`Trainer.train` the whole loop (data, evaluation, metrics, checkpoints, signals) built on it.
+A custom loss (``loss_fn``) and :class:`Callback` objects extend it without copying the loop."""
 
 from __future__ import annotations
 
@@ -7,12 +11,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import jax
 import numpy as np
 
 from jaxtron import config as config_lib
+from flax import nnx
+
 from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params
 from jaxtron.config import Config
 from jaxtron.data.corpus import make_corpus
@@ -23,23 +29,28 @@ from jaxtron.train.metrics import MetricsWriter
 from jaxtron.train.optimizer import make_optimizer
 from jaxtron.train.preemption import StopSignals
 from jaxtron.train.state import abstract_train_state
-from jaxtron.train.step import accumulation_steps, batch_sharding, make_eval_step, make_train_step
+from jaxtron.train.step import BATCH_KEYS, accumulation_steps, batch_sharding, make_eval_step, make_train_step
 
 log = logging.getLogger("jaxtron")
 
 
 @dataclass
-class RunResult:
-    steps: int
+class TrainResult:
+    """What :meth:`Trainer.train` did."""
+
+    steps: int                                        # train.steps
     losses: list = field(default_factory=list)       # (step, train loss) at every log point
     eval_losses: list = field(default_factory=list)  # (step, held-out loss)
-    initial_eval_loss: Optional[float] = None
+    initial_eval_loss: Optional[float] = None         # held-out loss before the first step (fresh runs)
     compile_seconds: float = 0.0
-    state: Optional[dict] = None
+    state: Optional[dict] = None                      # the final train state {"step", "params", "opt_state"}
     start_step: int = 0                               # > 0 when resumed from a checkpoint
     final_step: int = 0
     skipped_steps: int = 0
-    stopped_by: Optional[str] = None                  # "SIGTERM"/"SIGINT" when a signal ended the run early
+    stopped_by: Optional[str] = None                  # "SIGTERM"/"SIGINT"/a request_stop reason, when stopped early
+
+
+RunResult = TrainResult  # the former name
 
 
 class TrainingAborted(RuntimeError):
@@ -59,13 +70,92 @@ def _agree(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
-class Run:
-    """Everything a training run needs, built from a validated config; ``train()`` runs it.
+class Callback:
+    """Hooks into :class:`Trainer`. Subclass it and override the hooks you need (all default to doing nothing);
+    pass instances as ``Trainer(cfg, callbacks=[...])``. A plain function ``fn(step, metrics, trainer)`` given
+    as a callback is called as :meth:`on_log`.
 
-    ``state`` is created on first use: freshly initialized, or (in ``train()``) restored from the newest
-    checkpoint in ``checkpoint.dir`` / loaded from ``checkpoint.load_weights``."""
+    ``step`` is always the number of optimizer steps done (1 after the first step). Callbacks run on every
+    process of a multi-process run. To end training early, call ``trainer.request_stop(reason)``: the loop
+    saves a checkpoint after the current step and returns (the next ``train()`` resumes from there)."""
 
-    def __init__(self, cfg: Config, devices=None):
+    def on_train_begin(self, step: int, trainer: "Trainer") -> None:
+        """Before the first step of :meth:`Trainer.train`; ``step`` > 0 when it resumed from a checkpoint."""
+
+    def on_step(self, step: int, metrics: dict, trainer: "Trainer") -> None:
+        """After every optimizer step (in ``train()`` and in ``step()``). ``metrics`` holds device scalars:
+        reading one (``float(metrics["loss"])``) waits for the step to finish, so read sparingly."""
+
+    def on_log(self, step: int, metrics: dict, trainer: "Trainer") -> None:
+        """Every ``logging.log_every`` steps (and at the last) in ``train()``: ``metrics`` is the record about to
+        be written to ``metrics.jsonl`` and TensorBoard (host floats: loss, grad_norm, lr, throughput, MFU,
+        aux entries of a custom loss). Entries a callback adds to it are written too."""
+
+    def on_eval(self, step: int, metrics: dict, trainer: "Trainer") -> None:
+        """After each held-out evaluation in ``train()``: ``metrics == {"eval_loss": float}``."""
+
+    def on_train_end(self, step: int, result: TrainResult, trainer: "Trainer") -> None:
+        """When ``train()`` returns (done, or stopped by a signal or ``request_stop``); not when it raises."""
+
+
+class _FunctionCallback(Callback):
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def on_log(self, step, metrics, trainer):
+        self.fn(step, metrics, trainer)
+
+
+def _as_callback(cb) -> Callback:
+    if isinstance(cb, Callback):
+        return cb
+    if callable(cb):
+        return _FunctionCallback(cb)
+    raise TypeError(f"Trainer: callbacks must be Callback instances or functions fn(step, metrics, trainer), "
+                    f"got {type(cb).__name__}")
+
+
+class Trainer:
+    """A training run built from a validated config: the mesh, the logical-axis rules, the optimizer, the
+    abstract (sharded) state, the jitted train and eval steps, and the loop.
+
+        trainer = jaxtron.Trainer(cfg)
+        result = trainer.train()                     # the whole run, as `python -m jaxtron.train` does it
+
+        trainer = jaxtron.Trainer(cfg, loss_fn=my_loss, callbacks=[MyCallback()])
+        for k in range(10):                          # or drive it yourself, one optimizer step at a time
+            metrics = trainer.step(trainer.batch(k))
+        print(float(metrics["loss"]), trainer.evaluate())
+
+    ``devices``: the devices of the mesh (default: all); ``cfg.parallel`` sizes must multiply to their number.
+
+    ``loss_fn(model, batch) -> (loss_sum, aux)`` replaces the built-in loss (next-token cross entropy plus
+    ``optim.z_loss``) inside the jitted step, so it composes with gradient accumulation and every parallel
+    layout. ``model`` is the :class:`~jaxtron.model.Llama` (call it as
+    ``model(batch["inputs"], batch["positions"], batch["segment_ids"])`` for logits ``[batch, seq, vocab]``);
+    ``batch`` is one micro batch (the keys of :meth:`step`). Return the loss **summed** over the tokens, not
+    averaged: the step adds the sums of all micro batches and divides by the number of loss tokens of the
+    global batch (the sum of ``loss_mask``), so accumulation equals one big batch exactly. ``aux`` is ``None``
+    or a dict of scalar sums, treated the same way (summed, divided by the token count) and reported in the
+    metrics under their names. The reported ``loss`` is ``loss_sum / tokens`` (the built-in loss reports the
+    cross entropy without its z-loss term). Held-out evaluation always measures plain cross entropy.
+    :func:`jaxtron.train.loss.cross_entropy_sums` is the built-in's building block.
+
+    ``callbacks``: :class:`Callback` instances or functions ``fn(step, metrics, trainer)`` (called at log
+    points).
+
+    ``state`` (``{"step", "params", "opt_state"}``, sharded on the mesh) is created on first use, freshly
+    initialized; :meth:`train` first restores the newest checkpoint in ``checkpoint.dir`` (or loads
+    ``checkpoint.load_weights``) unless this trainer has already stepped."""
+
+    def __init__(self, cfg: Config, devices=None, *, loss_fn: Optional[Callable] = None,
+                 callbacks: Iterable = ()):
+        if not isinstance(cfg, Config):
+            raise TypeError(f"Trainer: cfg must be a jaxtron Config (see jaxtron.load_config), got "
+                            f"{type(cfg).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"Trainer: loss_fn must be a function loss_fn(model, batch) -> (loss_sum, aux), got "
+                            f"{type(loss_fn).__name__}")
         self.cfg = cfg
         devices = list(devices if devices is not None else jax.devices())
         self.mesh_shape = config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
@@ -74,32 +164,131 @@ class Run:
         self.dp = self.mesh_shape["data"] * self.mesh_shape["fsdp"]
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
         self.spec = abstract_train_state(cfg, self.tx, self.mesh, self.rules)
+        self.loss_fn = loss_fn
+        self.callbacks = [_as_callback(cb) for cb in callbacks]
         self._state: Optional[dict] = None
-        self.train_step = make_train_step(cfg, self.spec, self.tx, self.schedule, self.mesh, self.rules, self.dp)
+        self._step_count: Optional[int] = None  # host copy of state["step"] (None: read it from the state)
+        self._jitted_train_step = make_train_step(cfg, self.spec, self.tx, self.schedule, self.mesh, self.rules,
+                                                  self.dp, loss_fn=loss_fn)
+        self.train_step = self._jitted_train_step  # train() replaces it with its ahead-of-time compiled form
         self.eval_step = make_eval_step(cfg, self.spec, self.mesh, self.rules, self.dp)
         self.batch_sharding = batch_sharding(self.mesh, self.rules)
         self.num_devices = len(devices)
         peak = cfg.train.peak_tflops or device_peak_tflops(devices[0].device_kind)
         self.peak_flops = peak * 1e12 if peak else None
         self.meta: dict = {}  # what the checkpoint this run resumed from recorded (empty when fresh)
+        self.skipped = {"skipped_total": 0, "skipped_in_a_row": 0}
+        self._data = None
+        self._stop_reason: Optional[str] = None
 
+    # ------------------------------------------------------------------------------------------ state
     @property
     def state(self) -> dict:
+        """The train state ``{"step", "params", "opt_state"}``, sharded on the mesh (created on first use)."""
         if self._state is None:
             self._state = jax.jit(self.spec.init_fn, out_shardings=self.spec.state_shardings)()
+            self._step_count = 0
         return self._state
 
     @state.setter
     def state(self, value: dict) -> None:
         self._state = value
+        self._step_count = None
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps the state has taken (``state["step"]``)."""
+        if self._step_count is None:
+            self._step_count = int(self.state["step"])
+        return self._step_count
+
+    @property
+    def model(self):
+        """The :class:`~jaxtron.model.Llama` with the current parameters (the state's own arrays, sharded on
+        the mesh, not a copy), e.g. for ``jaxtron.generate``. The train step donates the state's buffers, so
+        take it again after further steps."""
+        return nnx.merge(self.spec.graphdef, self.state["params"])
+
+    @property
+    def num_params(self) -> int:
+        return int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.spec.abstract_state["params"])))
+
+    # ------------------------------------------------------------------------------------------- data
+    @property
+    def data(self):
+        """The run's data (``data.source``: the built-in corpus or indexed datasets), built on first use.
+        Anything with ``train_batch(step, batch_size)`` and ``valid_batches(num, batch_size)`` may be set."""
+        if self._data is None:
+            self._data = make_corpus(self.cfg)
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:
+        self._data = value
+
+    def batch(self, step: int) -> dict:
+        """Global training batch ``step`` of :attr:`data` as host arrays (a pure function of the config and
+        ``step``: the batch ``train()`` feeds to optimizer step ``step + 1``)."""
+        return self.data.train_batch(int(step), self.cfg.train.global_batch_size)
+
+    def _device_batch(self, batch: Mapping) -> dict:
+        """A global batch on the mesh; missing positions/segment_ids/loss_mask get their defaults."""
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"batch: must be a dict of arrays with keys {BATCH_KEYS}, got {type(batch).__name__}")
+        unknown = sorted(set(batch) - set(BATCH_KEYS))
+        if unknown:
+            raise ValueError(f"batch: unknown key(s) {unknown}; expected {BATCH_KEYS}")
+        shape = (self.cfg.train.global_batch_size, self.cfg.data.seq_len)
+        out = {}
+        for key in BATCH_KEYS:
+            value = batch.get(key)
+            if value is None:
+                if key in ("inputs", "targets"):
+                    raise ValueError(f"batch[{key!r}]: missing (token ids of shape {list(shape)})")
+                value = (np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape) if key == "positions"
+                         else np.ones(shape, np.float32 if key == "loss_mask" else np.int32))
+            if tuple(value.shape) != shape:
+                raise ValueError(f"batch[{key!r}]: shape {list(value.shape)}, expected [train.global_batch_size, "
+                                 f"data.seq_len] = {list(shape)}")
+            if isinstance(value, jax.Array):
+                if not value.sharding.is_equivalent_to(self.batch_sharding, value.ndim):
+                    value = jax.device_put(value, self.batch_sharding)
+                out[key] = value
+            else:
+                out[key] = np.asarray(value, np.float32 if key == "loss_mask" else np.int32)
+        host = {k: v for k, v in out.items() if not isinstance(v, jax.Array)}
+        return {**out, **put_batch(host, self.batch_sharding)} if host else out
+
+    # ------------------------------------------------------------------------------------------- step
+    def step(self, batch: Mapping) -> dict:
+        """One optimizer step on the global ``batch``; returns its metrics and calls the callbacks' ``on_step``.
+
+        ``batch``: a dict of ``[train.global_batch_size, data.seq_len]`` arrays: ``inputs`` and ``targets``
+        (token ids), optionally ``positions`` (default 0..seq_len-1), ``segment_ids`` (default all 1: one
+        document per row) and ``loss_mask`` (default all 1). Host (numpy) arrays are put on the mesh; global
+        ``jax.Array`` s pass through (a multi-process run needs those, or the same host batch on every process).
+
+        Metrics (device scalars; reading one waits for the step): ``loss`` (per loss token), ``grad_norm``,
+        ``lr``, ``tokens``, ``skipped`` (a non-finite loss or gradient norm skips the update), and the aux
+        entries of a custom loss."""
+        device_batch = self._device_batch(batch)
+        done = self.step_count + 1
+        self.state, metrics = self.train_step(self.state, device_batch)
+        self._step_count = done
+        for cb in self.callbacks:
+            cb.on_step(done, metrics, self)
+        return metrics
+
+    def request_stop(self, reason: str = "request_stop") -> None:
+        """Ask :meth:`train` to stop after the current step (it saves a checkpoint first); for callbacks."""
+        self._stop_reason = str(reason)
 
     def log_summary(self) -> None:
         """The start-up summary: model size, steps, batch, accumulation and the pipeline schedule's bubble."""
         cfg = self.cfg
         accum = accumulation_steps(cfg, self.dp)
         log.info("model: %.2fM params; %d steps of %d x %d tokens; %s %d",
-                 sum(np.prod(x.shape) for x in jax.tree.leaves(self.spec.abstract_state["params"])) / 1e6,
-                 cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len,
+                 self.num_params / 1e6, cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len,
                  "micro batches" if self.mesh_shape["stage"] > 1 else "grad accumulation", accum)
         stages = self.mesh_shape["stage"]
         if stages > 1:
@@ -120,6 +309,9 @@ class Run:
     def _restore_or_init(self, ckpt: Optional[Checkpointer]) -> int:
         """Set ``self.state``; returns the step to start from."""
         c = self.cfg.checkpoint
+        if self._state is not None and self.step_count > 0:
+            log.info("continuing from this trainer's state at step %d", self.step_count)
+            return self.step_count
         steps = ckpt.all_steps() if (ckpt is not None and c.resume) else []
         for i, step in enumerate(reversed(steps)):
             try:
@@ -132,7 +324,9 @@ class Run:
                 log.warning("%s; falling back to the previous checkpoint (checkpoint.fallback=true)", err)
                 continue
             log.info("resumed from %s (step %d) in %.1f s", ckpt.step_dir(step), step, time.perf_counter() - t0)
+            self._step_count = step
             self._check_resumed_data()
+            self._restore_skipped()
             return step
         if steps:
             raise CheckpointError(f"none of the checkpoints {steps} in {ckpt.directory} could be read")
@@ -147,6 +341,9 @@ class Run:
         else:
             self.state  # noqa: B018  (initialize)
         return 0
+
+    def _restore_skipped(self) -> None:
+        self.skipped = {k: int(self.meta.get(k, 0)) for k in ("skipped_total", "skipped_in_a_row")}
 
     def _check_resumed_data(self) -> None:
         saved, now = self.meta.get("data", {}), self._data_state(0)
@@ -163,16 +360,56 @@ class Run:
                 "seq_len": d.seq_len, "seed": t.seed, "global_batch_size": t.global_batch_size,
                 "num_samples": t.steps * t.global_batch_size}  # the sample shuffle depends on it, as Megatron's
 
-    def _save(self, ckpt: Optional[Checkpointer], step: int, skipped: dict) -> None:
+    def _save(self, ckpt: Optional[Checkpointer], step: int) -> None:
         if ckpt is None:
             return
         t0 = time.perf_counter()
-        ckpt.save(step, self.state, {"data": self._data_state(step), **skipped,
+        ckpt.save(step, self.state, {"data": self._data_state(step), **self.skipped,
                                      "config": config_lib.to_yaml(self.cfg)})
         log.info("checkpoint step %d: save started, blocked %.3f s", step, time.perf_counter() - t0)
 
+    def save(self, directory: Optional[str] = None) -> str:
+        """Save the current state as a checkpoint of step ``state["step"]`` in ``directory`` (default:
+        ``checkpoint.dir``, i.e. ``<train.output_dir>/checkpoints``) and wait until it is complete; returns the
+        step directory. ``train()``, ``restore()``, ``jaxtron.load_model`` and ``export_hf`` read it. Old
+        checkpoints are pruned as ``checkpoint.keep``/``keep_every`` say."""
+        c = self.cfg.checkpoint
+        ckpt = Checkpointer(directory or config_lib.checkpoint_dir(self.cfg), keep=c.keep, keep_every=c.keep_every,
+                            async_save=False)
+        try:
+            self._save(ckpt, self.step_count)
+            return ckpt.step_dir(self.step_count)
+        finally:
+            ckpt.close()
+
+    def restore(self, directory: Optional[str] = None, step: Optional[int] = None) -> int:
+        """Restore the train state from checkpoint ``step`` (default: the newest) in ``directory`` (default:
+        ``checkpoint.dir``) onto this trainer's mesh (any mesh it was saved from); returns the step. Raises
+        :class:`~jaxtron.checkpoint.CheckpointError` naming the directory when there is none."""
+        directory = directory or config_lib.checkpoint_dir(self.cfg)
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{os.path.abspath(directory)}: no such checkpoint directory")
+        ckpt = Checkpointer(directory, read_only=True)
+        try:
+            steps = ckpt.all_steps()
+            if not steps:
+                raise CheckpointError(f"{ckpt.directory}: holds no checkpoints")
+            if step is None:
+                step = steps[-1]
+            elif step not in steps:
+                raise CheckpointError(f"{ckpt.directory}: no checkpoint of step {step} (steps: {steps})")
+            self.state, self.meta = ckpt.restore(step, self.spec.abstract_state)
+        finally:
+            ckpt.close()
+        self._restore_skipped()
+        self._step_count = step
+        return step
+
     # ------------------------------------------------------------------------------------ train / eval
-    def evaluate(self, data) -> float:
+    def evaluate(self, data=None) -> float:
+        """Mean held-out cross entropy per token over ``train.eval_batches`` batches of ``data`` (default:
+        :attr:`data`)."""
+        data = data if data is not None else self.data
         total, count = 0.0, 0.0
         for b in data.valid_batches(self.cfg.train.eval_batches, self.cfg.train.global_batch_size):
             out = self.eval_step(self.state["params"], put_batch(b, self.batch_sharding))
@@ -180,40 +417,46 @@ class Run:
             count += float(out["tokens"])
         return total / max(count, 1.0)
 
-    def train(self, data=None) -> RunResult:
+    def train(self, data=None) -> TrainResult:
+        """Run to ``train.steps``: resume (or load weights), evaluate, step, log ``metrics.jsonl``/TensorBoard,
+        checkpoint, stop cleanly on SIGTERM/SIGINT or :meth:`request_stop`. ``data`` replaces :attr:`data`."""
+        if data is not None:
+            self.data = data
         ckpt = self._open_checkpoints()
         try:
-            return self._train(data, ckpt)
+            return self._train(ckpt)
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for a save in flight
 
-    def _train(self, data, ckpt: Optional[Checkpointer]) -> RunResult:
+    def _train(self, ckpt: Optional[Checkpointer]) -> TrainResult:
         cfg = self.cfg
         t = cfg.train
+        self._stop_reason = None
         start = self._restore_or_init(ckpt)
-        result = RunResult(steps=t.steps, start_step=start, final_step=start)
-        skipped = {"skipped_total": int(self.meta.get("skipped_total", 0)),
-                   "skipped_in_a_row": int(self.meta.get("skipped_in_a_row", 0))}
+        result = TrainResult(steps=t.steps, start_step=start, final_step=start)
+        skipped = self.skipped
         result.skipped_steps = skipped["skipped_total"]
         if start >= t.steps:
             log.info("the checkpoint is at step %d and train.steps=%d: nothing to do", start, t.steps)
             result.state = self.state
             return result
-        data = data or make_corpus(cfg)
+        data = self.data
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         fpt = {c: flops_per_token(cfg.model, cfg.data.seq_len, c) for c in ("full", "causal")}
 
         stream = batch_stream(data, t.global_batch_size, start, t.steps)
         first = put_local_batch(next(stream), self.batch_sharding, t.global_batch_size)
         t0 = time.perf_counter()
-        self.train_step = self.train_step.lower(self.state, first).compile()
+        self.train_step = self._jitted_train_step.lower(self.state, first).compile()
         result.compile_seconds = time.perf_counter() - t0
         log.info("compiled the train step in %.1f s on %d devices, mesh %s", result.compile_seconds,
                  self.num_devices, self.mesh_shape)
 
         writer = MetricsWriter(t.output_dir, t.steps, cfg.logging.tensorboard, cfg.logging.progress, start)
         try:
+            for cb in self.callbacks:
+                cb.on_train_begin(start, self)
             if start == 0:
                 result.initial_eval_loss = self.evaluate(data)
                 writer.write(0, {"eval_loss": result.initial_eval_loss})
@@ -222,7 +465,7 @@ class Run:
             batch = first
             with StopSignals() as signals:
                 for step in range(start, t.steps):
-                    self.state, metrics = self.train_step(self.state, batch)
+                    metrics = self.step(batch)
                     done = step + 1
                     if done < t.steps:  # prepare the next batch while the device works
                         batch = put_local_batch(next(stream), self.batch_sharding, t.global_batch_size)
@@ -243,11 +486,13 @@ class Run:
                         step_time = (time.perf_counter() - window_start) / window_steps
                         record = self._throughput(m, step_time, tokens_per_step, fpt)
                         record["skipped_steps"] = skipped["skipped_total"]
+                        for cb in self.callbacks:
+                            cb.on_log(done, record, self)
                         result.losses.append((done, float(m["loss"])))
                         writer.write(done, record)
                         window_start, window_steps = time.perf_counter(), 0
                     if skipped["skipped_in_a_row"] >= t.max_skipped_steps:
-                        self._save(ckpt, done, skipped)
+                        self._save(ckpt, done)
                         raise TrainingAborted(
                             f"stopped at step {done}: {skipped['skipped_in_a_row']} steps in a row had a non-finite "
                             f"loss or gradient norm (train.max_skipped_steps={t.max_skipped_steps})"
@@ -257,21 +502,26 @@ class Run:
                         result.eval_losses.append((done, loss))
                         writer.write(done, {"eval_loss": loss})
                         log.info("step %d: held-out loss %.4f", done, loss)
+                        for cb in self.callbacks:
+                            cb.on_eval(done, {"eval_loss": loss}, self)
                         window_start, window_steps = time.perf_counter(), 0
-                    if _agree(signals.received is not None):
-                        result.stopped_by = signals.received or "a signal on another process"
-                        self._save(ckpt, done, skipped)
+                    stop = signals.received or self._stop_reason
+                    if _agree(stop is not None):
+                        result.stopped_by = stop or "a stop on another process"
+                        self._save(ckpt, done)
                         log.warning("stopped by %s after step %d%s", result.stopped_by, done,
                                     f"; checkpoint {ckpt.step_dir(done)}" if ckpt else "")
                         break
                     if ckpt is not None and done < t.steps and cfg.checkpoint.every_steps \
                             and done % cfg.checkpoint.every_steps == 0:
-                        self._save(ckpt, done, skipped)
+                        self._save(ckpt, done)
                 else:
-                    self._save(ckpt, t.steps, skipped)
+                    self._save(ckpt, t.steps)
         finally:
             writer.close()
         result.state = self.state
+        for cb in self.callbacks:
+            cb.on_train_end(result.final_step, result, self)
         return result
 
     def _throughput(self, m: dict, step_time: float, tokens_per_step: int, fpt: dict) -> dict:
@@ -283,7 +533,13 @@ class Run:
             suffix = "" if conv == "full" else "_causal"
             record[f"tflops_per_device{suffix}"] = per_dev / 1e12
             record[f"mfu{suffix}"] = per_dev / self.peak_flops if self.peak_flops else None
+        for k in m:  # a custom loss's aux entries
+            if k not in ("loss", "grad_norm", "lr", "tokens", "skipped"):
+                record[k] = float(m[k])
         return record
+
+
+Run = Trainer  # the former name
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -310,12 +566,13 @@ def setup_logging(level: str) -> None:
     logger.propagate = False
 
 
-def run(cfg: Config) -> RunResult:
+def run(cfg: Config) -> TrainResult:
+    """What ``python -m jaxtron.train`` does: log to stderr, write ``<output_dir>/config.yaml``, train."""
     setup_logging(cfg.logging.level)
     if jax.process_index() == 0:
         os.makedirs(cfg.train.output_dir, exist_ok=True)
         with open(os.path.join(cfg.train.output_dir, "config.yaml"), "w") as f:
             f.write(config_lib.to_yaml(cfg))
-    r = Run(cfg)
-    r.log_summary()
-    return r.train()
+    trainer = Trainer(cfg)
+    trainer.log_summary()
+    return trainer.train()

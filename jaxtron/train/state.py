@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -59,3 +59,26 @@ def init_train_state(cfg: Config, tx: optax.GradientTransformation, mesh: Mesh, 
     spec = abstract_train_state(cfg, tx, mesh, rules)
     state = jax.jit(spec.init_fn, out_shardings=spec.state_shardings)()
     return state, spec
+
+
+def create_model(cfg: Config, mesh: Optional[Mesh] = None, devices=None) -> Llama:
+    """A freshly initialized :class:`~jaxtron.model.Llama` (seed ``train.seed``, the init a training run
+    starts from) whose parameters are created directly in their shards on ``mesh`` (default: the mesh
+    ``cfg.parallel`` describes over ``devices``, default all devices). Call it under ``jax.set_mesh(mesh)``
+    and ``jaxtron.parallel.use_rules`` to keep activations sharded too; outside them it runs as GSPMD
+    propagates from the parameters."""
+    from jaxtron import config as config_lib
+    from jaxtron.parallel import build_mesh, logical_rules
+
+    if mesh is None:
+        devices = list(devices if devices is not None else jax.devices())
+        config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
+        mesh = build_mesh(cfg.parallel, devices)
+    rules = logical_rules(cfg.parallel)
+    make = model_factory(cfg)
+    with use_rules(rules, mesh):
+        abstract_model = nnx.eval_shape(make)
+    graphdef, abstract_vars = nnx.split(abstract_model)
+    shardings = param_shardings(abstract_vars, mesh, rules)
+    params = jax.jit(lambda: nnx.split(make())[1].to_pure_dict(), out_shardings=shardings)()
+    return nnx.merge(graphdef, params)

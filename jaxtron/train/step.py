@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +41,42 @@ def _f32zero() -> jax.Array:
 
 
 def _sums(graphdef, params, batch, z_loss: float):
+    """(objective sum, (reported loss sum, token count, aux sums)) of the built-in loss."""
     model = nnx.merge(graphdef, params)
     logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
     ce, z, n = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
-    return ce + z, (ce, n)
+    return ce + z, (ce, n, {})
+
+
+# names a custom loss's aux entries may not take: the step's metrics and the loop's metrics.jsonl record
+RESERVED_METRICS = ("step", "loss", "grad_norm", "lr", "tokens", "skipped", "skipped_steps", "eval_loss",
+                    "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+                    "tflops_per_device_causal", "mfu", "mfu_causal")
+
+
+def _custom_sums(loss_fn: Callable, graphdef, params, batch):
+    """A user loss ``loss_fn(model, batch) -> (loss_sum, aux)`` in the shape of :func:`_sums`."""
+    model = nnx.merge(graphdef, params)
+    out = loss_fn(model, batch)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"loss_fn must return (loss_sum, aux), got {type(out).__name__}")
+    loss_sum, aux = out
+    loss_sum = jnp.asarray(loss_sum)
+    if loss_sum.shape != () or not jnp.issubdtype(loss_sum.dtype, jnp.floating):
+        raise TypeError(f"loss_fn: loss_sum must be a float scalar, got {loss_sum.dtype}{list(loss_sum.shape)}")
+    aux = {} if aux is None else aux
+    if not isinstance(aux, dict):
+        raise TypeError(f"loss_fn: aux must be a dict of scalars (or None), got {type(aux).__name__}")
+    sums = {}
+    for k, v in aux.items():
+        v = jnp.asarray(v)
+        if k in RESERVED_METRICS or not isinstance(k, str):
+            raise ValueError(f"loss_fn: aux key {k!r} is reserved or not a string (reserved: {RESERVED_METRICS})")
+        if v.shape != ():
+            raise TypeError(f"loss_fn: aux[{k!r}] must be a scalar, got shape {list(v.shape)}")
+        sums[k] = v.astype(jnp.float32)
+    n = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    return loss_sum, (loss_sum.astype(jnp.float32), n, sums)
 
 
 STACKED = "layers"  # the model's stacked decoder blocks (leading 'layers' axis): what a pipeline splits
@@ -83,59 +115,75 @@ def _pipeline_parts(graphdef, params_struct: dict, z_loss: float):
     def post(shared, x, mb):
         logits = model(shared, placeholder(stacked_struct)).logits(x)
         ce, z, n = cross_entropy_sums(logits, mb["targets"], mb["loss_mask"], z_loss)
-        return ce + z, (ce, n)
+        return ce + z, (ce, n, {})
 
     return pre, stage, post
 
 
 def _pipelined_grads(pspec, spec: ModelSpec, mesh: Mesh, rules, z_loss: float, params: dict, batch: dict):
-    """((ce, tokens), fp32 grads) of the whole batch through the pipeline, its micro batches as in accumulation."""
+    """((ce, tokens, {}), fp32 grads) of the whole batch through the pipeline, its micro batches as in
+    accumulation."""
     pre, stage, post = _pipeline_parts(spec.graphdef, params, z_loss)
     stacked, shared = _split_stacked(params)
     stacked_specs = jax.tree.map(lambda sh: sh.spec, spec.param_shardings[STACKED])
     micro = _split_micro(batch, pspec.micro_batches)
-    (ce, n), (g_stacked, g_shared) = pipeline.value_and_grad(pspec, mesh, rules, pre, stage, post, stacked,
-                                                             stacked_specs, shared, micro)
-    return (ce, n), {**g_shared, STACKED: g_stacked}
+    sums, (g_stacked, g_shared) = pipeline.value_and_grad(pspec, mesh, rules, pre, stage, post, stacked,
+                                                          stacked_specs, shared, micro)
+    return sums, {**g_shared, STACKED: g_stacked}
 
 
-def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int) -> Callable:
-    """``(params, batch) -> ((ce_sum, tokens), grads)``: summed cross entropy, token count and the fp32
-    gradient of the summed loss (cross entropy + z-loss) over the whole batch, through gradient accumulation
-    or the pipeline schedule. Pure; trace it under ``use_rules(rules, mesh)``."""
+def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int,
+                        loss_fn: Optional[Callable] = None) -> Callable:
+    """``(params, batch) -> ((loss_sum, tokens, aux_sums), grads)``: the summed reported loss (cross entropy, or
+    a custom ``loss_fn``'s), the token count, the custom loss's aux sums and the fp32 gradient of the summed
+    objective over the whole batch, through gradient accumulation or the pipeline schedule. Pure; trace it
+    under ``use_rules(rules, mesh)``."""
     accum = accumulation_steps(cfg, dp)
     z_loss = cfg.optim.z_loss
-    grad_fn = jax.value_and_grad(lambda p, b: _sums(spec.graphdef, p, b, z_loss), has_aux=True)
+    if loss_fn is None:
+        sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss)
+    else:
+        sums = lambda p, b: _custom_sums(loss_fn, spec.graphdef, p, b)
+    grad_fn = jax.value_and_grad(sums, has_aux=True)
     pspec = pipeline_spec(cfg, mesh, accum)
+    if pspec is not None and loss_fn is not None:
+        raise ValueError("a custom loss_fn(model, batch) cannot run with parallel.stage > 1: the pipeline computes "
+                         "the loss from the last stage's hidden states, not from a whole model")
 
     def loss_and_grads(params, batch):
         if pspec is not None:
             return _pipelined_grads(pspec, spec, mesh, rules, z_loss, params, batch)
         if accum == 1:
-            (_, (ce, n)), grads = grad_fn(params, batch)
-            return (ce, n), grads
+            (_, out), grads = grad_fn(params, batch)
+            return out, grads
 
         def body(carry, micro):
-            g_acc, ce_acc, n_acc = carry
-            (_, (ce, n)), g = grad_fn(params, micro)
-            return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, n_acc + n), None
+            g_acc, ce_acc, n_acc, aux_acc = carry
+            (_, (ce, n, aux)), g = grad_fn(params, micro)
+            return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, n_acc + n,
+                    jax.tree.map(jnp.add, aux_acc, aux)), None
 
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
                              params, spec.param_shardings)
-        (grads, ce, n), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero()), _split_micro(batch, accum))
-        return (ce, n), grads
+        micro = _split_micro(batch, accum)
+        aux0 = jax.tree.map(lambda _: _f32zero(),  # the aux sums' names, from the loss's trace
+                            jax.eval_shape(sums, params, jax.tree.map(lambda x: x[0], micro))[1][2])
+        (grads, ce, n, aux), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero(), aux0), micro)
+        return (ce, n, aux), grads
 
     return loss_and_grads
 
 
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation, schedule: Callable,
-                    mesh: Mesh, rules, dp: int):
-    loss_and_grads = make_loss_and_grads(cfg, spec, mesh, rules, dp)
+                    mesh: Mesh, rules, dp: int, loss_fn: Optional[Callable] = None):
+    """The jitted train step. ``loss_fn(model, batch) -> (loss_sum, aux)`` replaces the built-in cross entropy
+    (plus ``optim.z_loss``); see :class:`jaxtron.train.loop.Trainer` for the contract."""
+    loss_and_grads = make_loss_and_grads(cfg, spec, mesh, rules, dp, loss_fn)
 
     def step(state, batch):
         with use_rules(rules, mesh):
             params = state["params"]
-            (ce, n), grads = loss_and_grads(params, batch)
+            (ce, n, aux), grads = loss_and_grads(params, batch)
             n = jnp.maximum(n, 1.0)
             grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, params)
             grad_norm = optax.global_norm(grads)
@@ -148,7 +196,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
             metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n,
-                       "skipped": jnp.logical_not(ok)}
+                       "skipped": jnp.logical_not(ok), **{k: v / n for k, v in aux.items()}}
             return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(mesh, rules)),
@@ -165,12 +213,12 @@ def make_eval_step(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int):
                 pre, stage, post = _pipeline_parts(spec.graphdef, params, 0.0)
                 stacked, shared = _split_stacked(params)
                 stacked_specs = jax.tree.map(lambda sh: sh.spec, spec.param_shardings[STACKED])
-                _, (ce, n) = pipeline.forward_loss(pspec, mesh, rules, pre, stage, post, stacked, stacked_specs,
+                _, (ce, n, _) = pipeline.forward_loss(pspec, mesh, rules, pre, stage, post, stacked, stacked_specs,
                                                    shared, _split_micro(batch, accum))
                 return {"loss_sum": ce, "tokens": n}
 
             def body(carry, micro):
-                _, (ce, n) = _sums(spec.graphdef, params, micro, 0.0)
+                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0)
                 return (carry[0] + ce, carry[1] + n), None
             (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), _split_micro(batch, accum))
             return {"loss_sum": ce, "tokens": n}
