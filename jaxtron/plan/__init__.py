@@ -28,7 +28,7 @@ from jaxtron.plan.gpus import GPUS, GpuSpec, get_gpu
 
 __all__ = ["plan", "search", "target_devices", "prepare_config", "GpuSpec", "GPUS", "get_gpu"]
 
-PIPELINE_NOTE = "parallel.stage stays 1: pipeline parallelism is not implemented in jaxtron yet"
+PIPELINE_NOTE = "parallel.stage stays 1: the planner does not model pipeline stages yet"
 
 
 def cuda_plugin_matches() -> bool:
