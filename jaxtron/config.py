@@ -119,7 +119,8 @@ class DataConfig:
     max_corpus_bytes: int = _f(16 * 2**20, "builtin: read at most this many bytes of sources.")
     cache_dir: Optional[str] = _f(None, "builtin: where its .bin/.idx files are prepared once (default "
                                         "$JAXTRON_CACHE_DIR or ~/.cache/jaxtron).")
-    reset_at_eod: bool = _f(False, "Restart positions and block attention at end-of-document tokens.")
+    reset_at_eod: bool = _f(False, "Restart positions and block attention at end-of-document tokens (the batch's "
+                                   "segment_ids); false: plain causal attention over the whole sequence.")
     eod_mask_loss: bool = _f(False, "Do not train on predicting the end-of-document token.")
 
 

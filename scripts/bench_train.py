@@ -26,6 +26,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--documents", type=int, default=1,
+                   help="packed documents per row: segment ids and positions restart (sets data.reset_at_eod=true)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. parallel.fsdp=4")
     args = p.parse_intermixed_args(argv)  # overrides may come before and after options
     if args.steps < 1 or args.warmup < 0:
@@ -33,13 +35,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random tokens laid out as BuiltinCorpus._windows lays out a batch (no EOD resets, nothing masked)."""
+def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0,
+                    documents: int = 1) -> dict[str, np.ndarray]:
+    """Random tokens laid out as the corpus lays out a batch (nothing masked); with ``documents`` > 1 each row
+    packs that many equal documents (segment ids 1..documents, positions restarting at each)."""
     win = np.random.default_rng(seed).integers(0, vocab, size=(global_batch, seq_len + 1), dtype=np.int32)
     shape = (global_batch, seq_len)
+    doc_len = -(-seq_len // documents)
+    idx = np.arange(seq_len, dtype=np.int32)
     return {"inputs": win[:, :-1].copy(), "targets": win[:, 1:].copy(),
-            "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape).copy(),
-            "segment_ids": np.ones(shape, np.int32), "loss_mask": np.ones(shape, np.float32)}
+            "positions": np.broadcast_to(idx % doc_len, shape).copy(),
+            "segment_ids": np.broadcast_to(idx // doc_len + 1, shape).astype(np.int32),
+            "loss_mask": np.ones(shape, np.float32)}
 
 
 def main(argv=None) -> int:
@@ -50,7 +57,7 @@ def main(argv=None) -> int:
 
     from jaxtron import config as config_lib
     try:
-        cfg = config_lib.load(args.config, args.overrides)
+        cfg = config_lib.load(args.config, args.overrides + (["data.reset_at_eod=true"] if args.documents > 1 else []))
     except config_lib.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -58,6 +65,7 @@ def main(argv=None) -> int:
     import jax
     from jaxtron.train.flops import flops_per_token
     from jaxtron.train.loop import Run, put_batch
+    from jaxtron.train.step import accumulation_steps
 
     try:
         run = Run(cfg)
@@ -65,7 +73,8 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     t, seq = cfg.train, cfg.data.seq_len
-    batch = put_batch(synthetic_batch(t.global_batch_size, seq, cfg.model.vocab_size, t.seed), run.batch_sharding)
+    batch = put_batch(synthetic_batch(t.global_batch_size, seq, cfg.model.vocab_size, t.seed, args.documents),
+                      run.batch_sharding)
 
     t0 = time.perf_counter()
     step = run.train_step.lower(run.state, batch).compile()
@@ -87,8 +96,13 @@ def main(argv=None) -> int:
     out = {
         "devices": n, "device_kind": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
         "mesh": dict(run.mesh_shape), "dtype": config_lib.compute_dtype(cfg.model), "remat": cfg.model.remat,
-        "global_batch_size": t.global_batch_size, "seq_len": seq,
-        "accumulation_steps": t.global_batch_size // (t.micro_batch_size * run.dp),
+        "global_batch_size": t.global_batch_size, "seq_len": seq, "documents_per_row": args.documents,
+        "accumulation_steps": accumulation_steps(cfg, run.dp),
+        "pipeline": ({"stages": run.mesh_shape["stage"], "schedule": cfg.parallel.pipeline_schedule,
+                      "virtual_stages": cfg.parallel.virtual_stages,
+                      "bubble": config_lib.pipeline_bubble(cfg.parallel, run.mesh_shape["stage"],
+                                                           accumulation_steps(cfg, run.dp))}
+                     if run.mesh_shape["stage"] > 1 else None),
         "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(state["params"]))),
         "compile_s": compile_s, "warmup_steps": args.warmup, "timed_steps": args.steps,
         "step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_device": tps / n,
@@ -107,6 +121,11 @@ def main(argv=None) -> int:
     print(f"devices      {n} x {out['device_kind']} ({out['platform']}); mesh {mesh}")
     print(f"model        {out['params'] / 1e6:.2f}M params, dtype {out['dtype']}, remat {out['remat']}; "
           f"batch {t.global_batch_size} x {seq}, accumulation {out['accumulation_steps']}")
+    if out["pipeline"]:
+        pp = out["pipeline"]
+        print(f"pipeline     {pp['schedule']}, {pp['stages']} stages"
+              + (f" x {pp['virtual_stages']} virtual" if pp["schedule"] == "circular" else "")
+              + f", {out['accumulation_steps']} micro batches, bubble {100 * pp['bubble']:.1f}%")
     print(f"compile      {compile_s:.2f} s")
     print(f"step         {step_s * 1e3:.2f} ms (mean of {args.steps} after {args.warmup} warmup)")
     print(f"tokens/s     {tps:,.0f} global, {tps / n:,.0f} per device")

@@ -265,7 +265,8 @@ class Trainer:
 
         ``batch``: a dict of ``[train.global_batch_size, data.seq_len]`` arrays: ``inputs`` and ``targets``
         (token ids), optionally ``positions`` (default 0..seq_len-1), ``segment_ids`` (default all 1: one
-        document per row) and ``loss_mask`` (default all 1). Host (numpy) arrays are put on the mesh; global
+        document per row; attention follows them only with ``data.reset_at_eod=true``, as Megatron's
+        reset_attention_mask, else it is plain causal) and ``loss_mask`` (default all 1). Host (numpy) arrays are put on the mesh; global
         ``jax.Array`` s pass through (a multi-process run needs those, or the same host batch on every process).
 
         Metrics (device scalars; reading one waits for the step): ``loss`` (per loss token), ``grad_norm``,

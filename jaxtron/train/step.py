@@ -40,10 +40,16 @@ def _f32zero() -> jax.Array:
     return jnp.zeros((), jnp.float32)
 
 
-def _sums(graphdef, params, batch, z_loss: float):
+def _segments(batch: dict, packed: bool):
+    """The segment ids attention follows: only with ``data.reset_at_eod`` (otherwise the batch's are all one
+    document, and plain causal attention takes the kernels' fast path: cuDNN has no segment ids)."""
+    return batch["segment_ids"] if packed else None
+
+
+def _sums(graphdef, params, batch, z_loss: float, packed: bool = True):
     """(objective sum, (reported loss sum, token count, aux sums)) of the built-in loss."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    logits = model(batch["inputs"], batch["positions"], _segments(batch, packed))
     ce, z, n = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
     return ce + z, (ce, n, {})
 
@@ -98,7 +104,7 @@ def _split_stacked(params: dict) -> tuple[dict, dict]:
     return params[STACKED], {k: v for k, v in params.items() if k != STACKED}
 
 
-def _pipeline_parts(graphdef, params_struct: dict, z_loss: float):
+def _pipeline_parts(graphdef, params_struct: dict, z_loss: float, packed: bool):
     """pre/stage/post for :mod:`jaxtron.parallel.pipeline`: the embedding, a chunk of the stacked layers, and
     the logits with the loss sums. Each rebuilds the model from the params it needs; the others are scalar
     placeholders (the part of the forward it runs never reads them)."""
@@ -110,7 +116,7 @@ def _pipeline_parts(graphdef, params_struct: dict, z_loss: float):
         return model(shared, placeholder(stacked_struct)).embed_tokens(mb["inputs"])
 
     def stage(layers, x, mb):
-        return model(placeholder(shared_struct), layers).run_layers(x, mb["positions"], mb["segment_ids"])
+        return model(placeholder(shared_struct), layers).run_layers(x, mb["positions"], _segments(mb, packed))
 
     def post(shared, x, mb):
         logits = model(shared, placeholder(stacked_struct)).logits(x)
@@ -120,10 +126,11 @@ def _pipeline_parts(graphdef, params_struct: dict, z_loss: float):
     return pre, stage, post
 
 
-def _pipelined_grads(pspec, spec: ModelSpec, mesh: Mesh, rules, z_loss: float, params: dict, batch: dict):
+def _pipelined_grads(pspec, spec: ModelSpec, mesh: Mesh, rules, z_loss: float, packed: bool, params: dict,
+                     batch: dict):
     """((ce, tokens, {}), fp32 grads) of the whole batch through the pipeline, its micro batches as in
     accumulation."""
-    pre, stage, post = _pipeline_parts(spec.graphdef, params, z_loss)
+    pre, stage, post = _pipeline_parts(spec.graphdef, params, z_loss, packed)
     stacked, shared = _split_stacked(params)
     stacked_specs = jax.tree.map(lambda sh: sh.spec, spec.param_shardings[STACKED])
     micro = _split_micro(batch, pspec.micro_batches)
@@ -140,8 +147,9 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int
     under ``use_rules(rules, mesh)``."""
     accum = accumulation_steps(cfg, dp)
     z_loss = cfg.optim.z_loss
+    packed = cfg.data.reset_at_eod
     if loss_fn is None:
-        sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss)
+        sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss, packed)
     else:
         sums = lambda p, b: _custom_sums(loss_fn, spec.graphdef, p, b)
     grad_fn = jax.value_and_grad(sums, has_aux=True)
@@ -152,7 +160,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int
 
     def loss_and_grads(params, batch):
         if pspec is not None:
-            return _pipelined_grads(pspec, spec, mesh, rules, z_loss, params, batch)
+            return _pipelined_grads(pspec, spec, mesh, rules, z_loss, packed, params, batch)
         if accum == 1:
             (_, out), grads = grad_fn(params, batch)
             return out, grads
@@ -210,7 +218,7 @@ def make_eval_step(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int):
     def evaluate(params, batch):
         with use_rules(rules, mesh):
             if pspec is not None:
-                pre, stage, post = _pipeline_parts(spec.graphdef, params, 0.0)
+                pre, stage, post = _pipeline_parts(spec.graphdef, params, 0.0, cfg.data.reset_at_eod)
                 stacked, shared = _split_stacked(params)
                 stacked_specs = jax.tree.map(lambda sh: sh.spec, spec.param_shardings[STACKED])
                 _, (ce, n, _) = pipeline.forward_loss(pspec, mesh, rules, pre, stage, post, stacked, stacked_specs,
@@ -218,7 +226,7 @@ def make_eval_step(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int):
                 return {"loss_sum": ce, "tokens": n}
 
             def body(carry, micro):
-                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0)
+                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0, cfg.data.reset_at_eod)
                 return (carry[0] + ce, carry[1] + n), None
             (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), _split_micro(batch, accum))
             return {"loss_sum": ce, "tokens": n}
