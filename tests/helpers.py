@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from jaxtron import config as config_lib
@@ -58,18 +60,25 @@ def rel_error(actual, expected) -> float:
 H100 = "NVIDIA H100 80GB HBM3"
 
 
-def lower_for_cuda(fn, *specs, device_kind: str = H100) -> str:
-    """StableHLO text of `jax.jit(fn)` lowered for the cuda platform, on a machine without a GPU.
+@contextlib.contextmanager
+def gpu_target(device_kind: str = H100):
+    """Name the target GPU for Pallas Triton lowerings on a machine without a GPU.
 
     The Pallas Triton lowering needs the target GPU's compute capability. jax 0.10 falls back to sm_90 when no GPU
     is present; jax >= 0.11 raises "No supported GPU devices found, please specify an abstract GPU device using
     AbstractDevice" instead. Both accept the target as the abstract device of the current abstract mesh
-    (`jax.sharding.use_abstract_mesh`), which is what this helper sets: a one-device mesh of `device_kind`.
+    (`jax.sharding.use_abstract_mesh`), which this sets: a one-device mesh of `device_kind`.
     """
-    import jax
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-    device = AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
-    mesh = AbstractMesh((1,), ("gpu",), (AxisType.Explicit,), abstract_device=device)
-    with use_abstract_mesh(mesh):
+    device = AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    with use_abstract_mesh(AbstractMesh((1,), ("gpu",), (AxisType.Explicit,), abstract_device=device)):
+        yield
+
+
+def lower_for_cuda(fn, *specs, device_kind: str = H100) -> str:
+    """StableHLO text of `jax.jit(fn)` lowered for the cuda platform without a GPU (see `gpu_target`)."""
+    import jax
+
+    with gpu_target(device_kind):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
