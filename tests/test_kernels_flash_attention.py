@@ -127,6 +127,19 @@ def test_flash_attention_sliding_window(dtype, causal, window, packed, blocks):
     _check(31 + window, 1, 72, 4, 2, 64, dtype, causal, packed, *blocks, window=window)
 
 
+def test_flash_attention_bf16_magnitudes_outside_fp16_range():
+    """bf16 inputs far outside fp16's range (v ~ 1e6 > 65504, dO ~ 1e-8 < fp16's smallest normal 6e-5, q and k
+    scaled by 2**6 and 2**-6) meet the same bound: the kernels' fp16 operands are scaled per (batch, kv head)."""
+    q, k, v, do, seg = _inputs(81, 1, 40, 4, 2, 64, jnp.bfloat16, True)
+    q, k, v, do = q * 64, k / 64, v * 1e6, do * 1e-8
+    kw = dict(causal=True, segment_ids=seg)
+    ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, block_q=16, block_k=32, interpret=True, **kw))(
+        q, k, v, do)
+    ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, **kw))(q, k, v, do)
+    errs = {name: _rel(a, r) for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref)}
+    assert max(errs.values()) <= KERNEL_TOL["bfloat16"], errs
+
+
 def test_flash_attention_separate_backward_blocks_and_head_dim_256():
     _check(21, 1, 40, 2, 1, 256, jnp.float32, True, True, 32, 16, block_q_bwd=16, block_k_bwd=32)
 
