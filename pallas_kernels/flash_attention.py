@@ -17,9 +17,22 @@ Layout and semantics:
   * A query row with no visible key outputs 0 (never NaN) and gets zero gradients, in the kernels and in the
     reference. Through this API every real query sees at least itself, so such rows only occur for the padded rows
     of a ragged sequence (e.g. with a sliding window); they are handled all the same.
-  * softmax_scale defaults to 1/sqrt(head_dim). Softmax statistics (running max, sum, log-sum-exp) are fp32;
-    matmuls accumulate in fp32; P and dS are cast to the input dtype before their matmuls (standard FA2).
-    fp32 inputs use IEEE fp32 dots (precision=HIGHEST, no TF32).
+  * softmax_scale defaults to 1/sqrt(head_dim). Softmax statistics (running max, sum, log-sum-exp) are fp32 and
+    every matmul accumulates in fp32. fp32 inputs use IEEE fp32 dots (precision=HIGHEST, no TF32).
+  * 16-bit inputs (bf16, fp16) compute on fp16 matmul operands, not bf16 ones: the wrapper divides q, k, v (and
+    the backward dO) by a power of two per (batch, kv head) and converts them to fp16, which is exact for bf16
+    values (8-bit significand) in fp16's normal range; P and dS are rounded to fp16 (11-bit significand, 8x finer
+    than bf16) before their matmuls, and the fp32 epilogues undo the scales. fp16 and bf16 tensor-core matmuls
+    have the same throughput (Ampere, Hopper), so this costs only the O(seq * heads * head_dim) scaling passes.
+    Scales: |q|, |k| < 2**15 (the logits accumulate in fp32); |v| < 1, so |out / s_v| < 1; |dO| < 2**14 / head_dim,
+    so |dP|, |delta| < 2**14 and |dS| < 2**15 fit fp16 (max 65504), and dS keeps full fp16 precision down to
+    P ~ 1e-6. Values far below their (batch, kv head)'s maximum (under 2**-29 of it for q and k, 2**-14 for v,
+    2**-19 to 2**-21 for dO) fall into fp16's subnormals, where the absolute error stays below 2**-24 of that
+    maximum. Against the reference rounded once to bf16, plain FA2 (P and dS in bf16) is off by 2-3e-3 for the
+    output and the gradients; this by about 1e-3 (see the tests).
+  * delta = rowsum(dO * O) must see O more precisely than the bf16 output, so for 16-bit inputs the forward
+    under autodiff also writes O / s_v in fp16 as the residual (one extra [batch, seq, heads, head_dim] 16-bit
+    array); a forward without autodiff writes only the output.
 
 Design (Triton backend, `_triton_*`):
   * Ragged seq: the wrapper pads seq to a multiple of max(block sizes) and slices the output; padded keys are masked
@@ -29,7 +42,7 @@ Design (Triton backend, `_triton_*`):
     blocks with an online softmax in the log2 domain (exp2). The kv loop is bounded to the blocks that can be
     visible: [window start, diagonal] for causal (fully masked blocks above the diagonal and left of the window are
     skipped) and never past the last real (unpadded) key. Saves lse = m + log2(l) (log2 domain) [batch, heads, seq].
-  * Backward: delta = rowsum(dO * O) in jnp (fp32), then two kernels:
+  * Backward: delta = rowsum(dO * O) in jnp (fp32, on the scaled operands), then two kernels:
       - dk/dv: grid (kv_blocks, batch, kv_heads); each program owns one kv tile and loops over the query heads of
         its GQA group (q / dO / lse / delta blocks cover the group's heads) and over the visible q blocks, so the
         group sum happens in registers and dk/dv are written once, in the input dtype.
@@ -189,11 +202,13 @@ def _q_block_range(k_start, bk, bq, cfg: _Config):
     return lo, hi
 
 
-def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
+def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, residual: bool):
+    refs = list(refs)
+    ores_ref = refs.pop() if residual else None
     if has_seg:
-        q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref = refs
+        q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sc_ref, o_ref, lse_ref = refs
     else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        q_ref, k_ref, v_ref, sc_ref, o_ref, lse_ref = refs
         qseg_ref = kseg_ref = None
     bq, bk = cfg.block_q, cfg.block_k
     d = q_ref.shape[-1]
@@ -201,7 +216,7 @@ def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
     q_start = pl.program_id(0) * bq
     q = q_ref[...]
     q_seg = qseg_ref[...] if has_seg else None
-    scale2 = cfg.scale * _LOG2E
+    scale2 = sc_ref[0]                      # softmax_scale * log2(e) * s_q * s_k (undoes the operand scaling)
 
     def body(j, carry):
         acc, m, l = carry
@@ -227,12 +242,17 @@ def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    o = acc / l_safe[:, None]                                                   # in units of s_v
+    o_ref[...] = (o * sc_ref[1]).astype(o_ref.dtype)
+    if residual:
+        ores_ref[...] = o.astype(ores_ref.dtype)
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe))              # +inf: p = exp2(s - lse) = 0
 
 
-def _triton_fwd(q, k, v, seg, cfg: _Config):
-    """Padded inputs -> (out [b, s_pad, h, d] in q.dtype, lse [b, h, s_pad] fp32, log2 domain)."""
+def _triton_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
+    """Padded compute-dtype operands (see `_to_compute`), sc [b, kv_heads, 2] fp32 = (logit multiplier in the
+    log2 domain, s_v) -> (out [b, s_pad, h, d] in out_dtype, lse [b, h, s_pad] fp32 (log2 domain)[, o_res]),
+    o_res = out / s_v in the compute dtype (only with residual=True; the backward's delta reads it)."""
     b, sp, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
@@ -249,30 +269,36 @@ def _triton_fwd(q, k, v, seg, cfg: _Config):
         in_specs += [pl.BlockSpec((sq, bq), lambda i, j, hh: (j, i)),
                      pl.BlockSpec((sq, sp), lambda i, j, hh: (j, 0))]
         args += [seg, seg]
-    out, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, has_seg=has_seg, pad=sp != cfg.seq_len),
-        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sp), jnp.float32)),
+    in_specs.append(pl.BlockSpec((sq, sq, 2), lambda i, j, hh: (j, hh // group, 0)))
+    args.append(sc)
+    o_spec = pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0))
+    out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((b, h, sp), jnp.float32)]
+    out_specs = [o_spec, pl.BlockSpec((sq, sq, bq), lambda i, j, hh: (j, hh, i))]
+    if residual:
+        out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+        out_specs.append(o_spec)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, has_seg=has_seg, pad=sp != cfg.seq_len, residual=residual),
+        out_shape=tuple(out_shape),
         grid=(sp // bq, b, h),
         in_specs=in_specs,
-        out_specs=(pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0)),
-                   pl.BlockSpec((sq, sq, bq), lambda i, j, hh: (j, hh, i))),
+        out_specs=tuple(out_specs),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
     )(*args)
-    return out, lse
 
 
 def _dkv_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, group: int):
     if has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, sc_ref, dk_ref, dv_ref = refs
     else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dk_ref, dv_ref = refs
         qseg_ref = kseg_ref = None
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     d = k_ref.shape[-1]
     prec = _precision(k_ref.dtype)
-    scale2 = cfg.scale * _LOG2E
+    scale2 = sc_ref[0]
     k_start = pl.program_id(0) * bk
     kt = k_ref[...]
     vt = v_ref[...]
@@ -306,20 +332,20 @@ def _dkv_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, group: int):
         dk, dv = g_body(0, init)
     else:
         dk, dv = lax.fori_loop(0, group, g_body, init)
-    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    dk_ref[...] = (dk * sc_ref[2]).astype(dk_ref.dtype)
+    dv_ref[...] = (dv * sc_ref[3]).astype(dv_ref.dtype)
 
 
 def _dq_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
     if has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, sc_ref, dq_ref = refs
     else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dq_ref = refs
         qseg_ref = kseg_ref = None
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     d = q_ref.shape[-1]
     prec = _precision(q_ref.dtype)
-    scale2 = cfg.scale * _LOG2E
+    scale2 = sc_ref[0]
     q_start = pl.program_id(0) * bq
     qt = q_ref[...]
     dot_ = do_ref[...]
@@ -343,11 +369,13 @@ def _dq_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
 
     lo, hi = _kv_block_range(q_start, bq, bk, cfg)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, d), jnp.float32))
-    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+    dq_ref[...] = (dq * sc_ref[1]).astype(dq_ref.dtype)
 
 
-def _triton_bwd(q, k, v, seg, out, lse, do, cfg: _Config):
-    """Padded inputs -> (dq, dk, dv) in the input dtypes."""
+def _triton_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
+    """Padded compute-dtype operands (q, k, v, do; see `_to_compute`), lse [b, h, s_pad] (log2 domain), delta
+    [b, h, s_pad] = rowsum(do * out) in the operands' units, sc [b, kv_heads, 4] fp32 = (logit multiplier, dq, dk,
+    dv multipliers) -> (dq, dk, dv) in out_dtype."""
     b, sp, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
@@ -356,7 +384,6 @@ def _triton_bwd(q, k, v, seg, out, lse, do, cfg: _Config):
     pad = sp != cfg.seq_len
     sq = pl.squeezed
     params = pltriton.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))   # [b, h, sp] fp32
 
     # dk / dv: grid over (kv blocks, batch, kv heads); q-side blocks cover the `group` query heads of the kv head.
     in_specs = [
@@ -372,10 +399,12 @@ def _triton_bwd(q, k, v, seg, out, lse, do, cfg: _Config):
         in_specs += [pl.BlockSpec((sq, sp), lambda i, j, kh: (j, 0)),
                      pl.BlockSpec((sq, bk), lambda i, j, kh: (j, i))]
         args += [seg, seg]
+    in_specs.append(pl.BlockSpec((sq, sq, 4), lambda i, j, kh: (j, kh, 0)))
+    args.append(sc)
     kv_spec = pl.BlockSpec((sq, bk, sq, d), lambda i, j, kh: (j, i, kh, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, has_seg=has_seg, pad=pad, group=group),
-        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(k.shape, out_dtype), jax.ShapeDtypeStruct(v.shape, out_dtype)),
         grid=(sp // bk, b, kvh),
         in_specs=in_specs,
         out_specs=(kv_spec, kv_spec),
@@ -398,9 +427,11 @@ def _triton_bwd(q, k, v, seg, out, lse, do, cfg: _Config):
         in_specs += [pl.BlockSpec((sq, bq), lambda i, j, hh: (j, i)),
                      pl.BlockSpec((sq, sp), lambda i, j, hh: (j, 0))]
         args += [seg, seg]
+    in_specs.append(pl.BlockSpec((sq, sq, 4), lambda i, j, hh: (j, hh // group, 0)))
+    args.append(sc)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, has_seg=has_seg, pad=pad),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
         grid=(sp // bq, b, h),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0)),
@@ -418,19 +449,83 @@ _IMPLS = {"triton": (_triton_fwd, _triton_bwd)}
 # custom_vjp (on padded arrays) and the public function
 # ----------------------------------------------------------------------------------------------------------------
 
+def _compute_dtype(dtype):
+    """fp32 inputs compute in fp32; 16-bit inputs in fp16 on scaled operands (see the module docstring)."""
+    return jnp.float32 if dtype == jnp.float32 else jnp.float16
+
+
+def _pow2_scale(x, group: int, max_exp: int):
+    """Per-(batch, kv head) power of two s such that |x / s| < 2**max_exp, fp32 [b, kv_heads].
+
+    x [b, s, heads, d] with heads = kv_heads * group. A power of two keeps x / s exact; amax 0 gives 2**-max_exp.
+    """
+    b, sp, h, d = x.shape
+    amax = jnp.max(jnp.abs(x.reshape(b, sp, h // group, group, d)), axis=(1, 3, 4)).astype(jnp.float32)
+    _, e = jnp.frexp(amax)                                  # amax < 2**e
+    return jnp.ldexp(jnp.ones_like(amax), e - max_exp)
+
+
+def _to_compute(x, scale, group: int, dtype):
+    """x / scale (per batch, kv head), in the compute dtype; exact for bf16 values in fp16's normal range."""
+    if dtype == jnp.float32:
+        return x
+    b, sp, h, d = x.shape
+    xs = x.astype(jnp.float32).reshape(b, sp, h // group, group, d) / scale[:, None, :, None, None]
+    return xs.reshape(x.shape).astype(dtype)
+
+
+def _fwd_operands(q, k, v, cfg: _Config):
+    """(q, k, v) in the compute dtype, forward scalars [b, kv, 2], operand scales (s_q, s_k, s_v)."""
+    b, kvh = k.shape[0], k.shape[2]
+    group = q.shape[2] // kvh
+    cdt = _compute_dtype(q.dtype)
+    if cdt == jnp.float32:
+        ones = jnp.ones((b, kvh), jnp.float32)
+        scales = (ones, ones, ones)
+    else:
+        # |q|, |k| < 2**15 (fp16's top binade; q . k accumulates in fp32), so that fp16 represents them fully down
+        # to 2**-29 of their maximum. |v| < 1, so |out / s_v| < 1 and the backward's dP = dO . v stays bounded.
+        scales = (_pow2_scale(q, group, 15), _pow2_scale(k, 1, 15), _pow2_scale(v, 1, 0))
+    s_q, s_k, s_v = scales
+    ops = (_to_compute(q, s_q, group, cdt), _to_compute(k, s_k, 1, cdt), _to_compute(v, s_v, 1, cdt))
+    sc = jnp.stack([s_q * s_k * jnp.float32(cfg.scale * _LOG2E), s_v], axis=-1)
+    return ops, sc, scales
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, seg, cfg: _Config):
-    return _IMPLS[cfg.backend][0](q, k, v, seg, cfg)[0]
+    ops, sc, _ = _fwd_operands(q, k, v, cfg)
+    return _IMPLS[cfg.backend][0](*ops, seg, sc, cfg, out_dtype=q.dtype, residual=False)[0]
 
 
 def _flash_fwd(q, k, v, seg, cfg: _Config):
-    out, lse = _IMPLS[cfg.backend][0](q, k, v, seg, cfg)
-    return out, (q, k, v, seg, out, lse)
+    ops, sc, scales = _fwd_operands(q, k, v, cfg)
+    residual = ops[0].dtype != jnp.float32
+    res = _IMPLS[cfg.backend][0](*ops, seg, sc, cfg, out_dtype=q.dtype, residual=residual)
+    out, lse = res[:2]
+    o_res = res[2] if residual else out                     # out / s_v (s_v = 1 in fp32)
+    return out, (*ops, seg, o_res, lse, sc[..., 0], scales)
 
 
 def _flash_bwd(cfg: _Config, res, do):
-    q, k, v, seg, out, lse = res
-    dq, dk, dv = _IMPLS[cfg.backend][1](q, k, v, seg, out, lse, do, cfg)
+    q, k, v, seg, o_res, lse, c_logit, (s_q, s_k, s_v) = res
+    group = q.shape[2] // k.shape[2]
+    cdt = q.dtype
+    if cdt == jnp.float32:
+        s_do = jnp.ones_like(s_q)
+    else:
+        # The barrier keeps XLA from constant-folding the amax when do is a constant (jax.grad of out.sum()):
+        # folding a reduce over a [batch, seq, heads, head_dim] broadcast in XLA's evaluator takes minutes.
+        do = lax.optimization_barrier(do)
+        # |do / s_do| < 2**14 / head_dim: |dp|, |delta| < 2**14 and |dS| < 2**15 stay inside fp16's range, and
+        # dS rarely drops below its normal range (2**-14).
+        s_do = _pow2_scale(do, group, 14 - (q.shape[-1].bit_length() - 1))
+    do_c = _to_compute(do, s_do, group, cdt)
+    delta = jnp.einsum("bshd,bshd->bhs", o_res.astype(jnp.float32), do_c.astype(jnp.float32))  # [b, h, sp]
+    ds_unit = s_do * s_v * jnp.float32(cfg.scale)           # dS = P * (dP - delta) comes in units of s_do * s_v
+    sc = jnp.stack([c_logit, ds_unit * s_k, ds_unit * s_q, s_do], axis=-1)
+    out_dtype = do.dtype
+    dq, dk, dv = _IMPLS[cfg.backend][1](q, k, v, seg, lse, delta, do_c, sc, cfg, out_dtype=out_dtype)
     return dq, dk, dv, None
 
 

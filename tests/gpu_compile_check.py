@@ -15,6 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
+from helpers import gpu_target  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.rope import apply_rope  # noqa: E402
 from pallas_kernels.swiglu import swiglu  # noqa: E402
@@ -24,7 +25,8 @@ TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_
 
 def _compile(fn, *specs):
     t0 = time.perf_counter()
-    compiled = jax.jit(fn).trace(*specs).lower().compile()
+    with gpu_target(specs[0].sharding.device_set.pop().device_kind):   # jax >= 0.11 needs the target named
+        compiled = jax.jit(fn).trace(*specs).lower().compile()
     return {"seconds": time.perf_counter() - t0, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "triton_calls": compiled.as_text().count("__gpu$xla.gpu.triton")}
 

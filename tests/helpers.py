@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from jaxtron import config as config_lib
@@ -36,3 +38,47 @@ def xla_gpu_plugin_version():
         return importlib.metadata.version("jax-cuda12-plugin")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel tests: the accuracy criterion and lowering for cuda without a GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+# Bound on rel_error(kernel, reference) per input dtype; see tests/test_kernels_flash_attention.py's docstring.
+KERNEL_TOL = {"float32": 1e-5, "bfloat16": 2e-3, "float16": 5e-4}
+
+
+def rel_error(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| (Frobenius norm, computed in float64)."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    scale = np.linalg.norm(e)
+    assert scale > 0, "relative error against an all-zero reference is undefined"
+    return float(np.linalg.norm(a - e) / scale)
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@contextlib.contextmanager
+def gpu_target(device_kind: str = H100):
+    """Name the target GPU for Pallas Triton lowerings on a machine without a GPU.
+
+    The Pallas Triton lowering needs the target GPU's compute capability. jax 0.10 falls back to sm_90 when no GPU
+    is present; jax >= 0.11 raises "No supported GPU devices found, please specify an abstract GPU device using
+    AbstractDevice" instead. Both accept the target as the abstract device of the current abstract mesh
+    (`jax.sharding.use_abstract_mesh`), which this sets: a one-device mesh of `device_kind`.
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    device = AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    with use_abstract_mesh(AbstractMesh((1,), ("gpu",), (AxisType.Explicit,), abstract_device=device)):
+        yield
+
+
+def lower_for_cuda(fn, *specs, device_kind: str = H100) -> str:
+    """StableHLO text of `jax.jit(fn)` lowered for the cuda platform without a GPU (see `gpu_target`)."""
+    import jax
+
+    with gpu_target(device_kind):
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()

@@ -21,9 +21,13 @@ pytestmark = pytest.mark.skipif(PLUGIN != jax.__version__,
 
 def test_kernels_and_train_step_compile_for_h100():
     here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    # The script's sys.path starts at tests/: put this checkout first, so that it compiles the kernels under test
+    # and not those of wherever the package happens to be installed from.
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, os.path.join(here, "gpu_compile_check.py")], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=os.path.dirname(here))
+                          text=True, timeout=600, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["platform"] == "gpu" and "H100" in out["device_kind"]

@@ -1,4 +1,10 @@
-"""RoPE and SwiGLU Pallas kernels: interpret-mode numerics vs jnp references, and cuda lowering on the CPU."""
+"""RoPE and SwiGLU Pallas kernels: interpret-mode numerics vs jnp references, and cuda lowering on the CPU.
+
+Accuracy criterion: as for flash attention (tests/test_kernels_flash_attention.py's docstring): the reference runs
+on the same inputs and the same cotangent (fp32 inside, rounded once to the input dtype), and the output and every
+gradient must satisfy ||kernel - reference|| / ||reference|| <= 1e-5 (fp32 inputs) or 2e-3 (bf16). On top of it,
+elementwise: fp32 within rtol 1e-5, and bf16 within half a bf16 ulp of the exact fp32 result.
+"""
 
 import math
 
@@ -7,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import KERNEL_TOL, lower_for_cuda, rel_error
 from pallas_kernels.rope import apply_rope, rope_inv_freq, rope_reference
 from pallas_kernels.swiglu import swiglu, swiglu_reference
 
@@ -16,12 +23,17 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 
 def _close(actual, expected, dtype):
-    """fp32: vs the fp32 reference within 1e-5. bf16: vs the reference run in bf16 (fp32 math, one final
-    rounding, as the kernel does) within 2e-3; and vs the exact fp32 result within bf16 resolution (2**-8)."""
+    """fp32: `expected` is the fp32 reference. bf16: `expected` = (the reference run on the same bf16 inputs and
+    cotangent, the exact fp32 result). Returns the criterion's relative error."""
     a = np.asarray(actual, np.float32)
+    ref = expected if dtype == jnp.float32 else expected[0]
+    assert actual.dtype == dtype and ref.dtype == dtype, (actual.dtype, ref.dtype)
+    err = rel_error(actual, ref)
+    tol = KERNEL_TOL[jnp.dtype(dtype).name]
+    assert err <= tol, f"relative error {err:.3e} > {tol:.0e}"
     if dtype == jnp.float32:
         np.testing.assert_allclose(a, np.asarray(expected, np.float32), rtol=1e-5, atol=1e-6)
-        return
+        return err
     exp_bf16, exp_f32 = (np.asarray(e, np.float32) for e in expected)
     # A rounding flip between two fp32 values straddling a bf16 midpoint is one bf16 ulp (2**-7 relative):
     # allow it for a tiny fraction of elements; everything else must be within 2e-3.
@@ -30,11 +42,15 @@ def _close(actual, expected, dtype):
     np.testing.assert_allclose(a[bad], exp_bf16[bad], rtol=2.0 ** -7 + 1e-5, atol=1e-5)
     # Kernel output = fp32 math + one bf16 rounding: within half a bf16 ulp (2**-8 relative) of the fp32 result.
     np.testing.assert_allclose(a, exp_f32, rtol=2.0 ** -8 + 1e-5, atol=1e-5)
+    return err
 
 
 def _rand(rng, shape, dtype, scale=1.0):
     # numpy RNG and numpy dtype conversion: no XLA compiles for test inputs.
     return jnp.asarray((scale * rng.standard_normal(shape)).astype(np.float32).astype(dtype))
+
+
+ERRORS = {}  # case -> {output or gradient: relative error}, for reports
 
 
 def _count_pallas_calls(fn, *args):
@@ -119,10 +135,9 @@ def _check_rope(q, k, positions, inv_freq, gq, gk, dtype, block_seq=16):
     if dtype == jnp.bfloat16:  # also the reference run in bf16
         (qb, kb), (dqb, dkb) = ref_fwd_bwd(q, k, gq, gk)
         qr, kr, dqr, dkr = (qb, qr), (kb, kr), (dqb, dqr), (dkb, dkr)
-    _close(qo, qr, dtype)
-    _close(ko, kr, dtype)
-    _close(dq, dqr, dtype)
-    _close(dk, dkr, dtype)
+    ERRORS[f"rope-{jnp.dtype(dtype).name}-kv{k.shape[2]}-d{q.shape[-1]}"] = {
+        name: _close(a, r, dtype) for name, a, r in (("q_out", qo, qr), ("k_out", ko, kr), ("dq", dq, dqr),
+                                                       ("dk", dk, dkr))}
     return fwd_bwd
 
 
@@ -225,9 +240,8 @@ def test_swiglu_matches_reference(shape, blocks, dtype):
     if dtype == jnp.bfloat16:  # also the reference run in bf16
         refb, (dgb, dub) = ref_fwd_bwd(gate, up, ct)
         ref, dgr, dur = (refb, ref), (dgb, dgr), (dub, dur)
-    _close(out, ref, dtype)
-    _close(dg, dgr, dtype)
-    _close(du, dur, dtype)
+    ERRORS[f"swiglu-{jnp.dtype(dtype).name}-{shape}"] = {
+        name: _close(a, r, dtype) for name, a, r in (("out", out, ref), ("dgate", dg, dgr), ("dup", du, dur))}
 
 
 def test_swiglu_backward_is_pallas_and_jit_grad():
@@ -263,8 +277,7 @@ def test_swiglu_validation():
 # Lowering for cuda (no GPU needed) at Llama-3-8B shapes, bf16
 # ---------------------------------------------------------------------------------------------------------------
 
-def _lower_cuda(fn, *specs):
-    return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+_lower_cuda = lower_for_cuda
 
 
 def test_rope_lowers_for_cuda_llama3_8b():
