@@ -207,8 +207,7 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
                  stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
     """(loss, aux) summed over the micro batches, through the gpipe/circular forward loop. Differentiable."""
     chunks = _chunked(stacked, stacked_specs, spec, mesh)
-    embed_one = lambda shared, mb: pre(shared, mb)
-    xs = jax.vmap(embed_one, in_axes=(None, 0))(shared, micro)               # [M, mb, seq, d]
+    xs = jax.vmap(pre, in_axes=(None, 0))(shared, micro)                      # [M, mb, seq, d]
     outs = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro)
     return _per_micro(spec, mesh, post, shared, outs, micro)
 
