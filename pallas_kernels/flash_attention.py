@@ -42,6 +42,12 @@ Design (Triton backend, `_triton_*`):
     blocks with an online softmax in the log2 domain (exp2). The kv loop is bounded to the blocks that can be
     visible: [window start, diagonal] for causal (fully masked blocks above the diagonal and left of the window are
     skipped) and never past the last real (unpadded) key. Saves lse = m + log2(l) (log2 domain) [batch, heads, seq].
+  * Unmasked blocks: without segment ids and without a sliding window (plain causal or full attention), the block
+    loops of all three kernels split in two `fori_loop`s (`_kv_block_split`, `_q_block_split`): the blocks that
+    are fully visible (strictly below the causal diagonal, no padded key) run without building the mask (no iota /
+    compare / select), and only the diagonal and padded blocks build it. The order of the blocks is unchanged. The
+    forward's unmasked loop also folds the logit scale into the exponent (exp2(s * c - m), one FMA per element).
+    Segment ids and windows mask every block.
   * Backward: delta = rowsum(dO * O) in jnp (fp32, on the scaled operands), then two kernels:
       - dk/dv: grid (kv_blocks, batch, kv_heads); each program owns one kv tile and loops over the query heads of
         its GQA group (q / dO / lse / delta blocks cover the group's heads) and over the visible q blocks, so the
@@ -202,6 +208,43 @@ def _q_block_range(k_start, bk, bq, cfg: _Config):
     return lo, hi
 
 
+def _splits(cfg: _Config, has_seg: bool) -> bool:
+    """Whether the block loops split into an unmasked and a masked range (static): without segment ids and without
+    a sliding window, only the blocks on the causal diagonal and those holding padded keys need a mask."""
+    return cfg.window is None and not has_seg
+
+
+def _kv_block_split(q_start, bq, bk, cfg: _Config):
+    """(lo, mid, hi): kv blocks [lo, mid) are fully visible to queries [q_start, q_start + bq) (no mask needed),
+    [mid, hi) need the mask. Only valid when `_splits` (no window, no segment ids).
+
+    Block j (keys [j*bk, (j+1)*bk)) is fully visible iff it holds no padded key, (j+1)*bk <= seq_len, and, if
+    causal, its last key is <= the first query: (j+1)*bk - 1 <= q_start, i.e. (j+1)*bk <= q_start (q_start is a
+    multiple of bq >= 16 and (j+1)*bk of bk >= 16, so (j+1)*bk != q_start + 1). Those are the blocks j < mid."""
+    lo, hi = _kv_block_range(q_start, bq, bk, cfg)
+    mid = cfg.seq_len // bk
+    if cfg.causal:
+        mid = jnp.minimum(lax.div(q_start, bk), mid)
+    return lo, jnp.minimum(mid, hi), hi
+
+
+def _q_block_split(k_start, bk, bq, cfg: _Config, pad: bool):
+    """(lo, mid, hi): q blocks [lo, mid) need the mask for keys [k_start, k_start + bk), [mid, hi) see every key
+    of the block (no mask needed). Only valid when `_splits` (no window, no segment ids).
+
+    Block i (queries [i*bq, (i+1)*bq)) sees the whole kv block iff the kv block holds no padded key,
+    k_start + bk <= seq_len, and, if causal, its first query is >= the last key: i*bq >= k_start + bk - 1, i.e.
+    i*bq >= k_start + bk (both multiples of 16), i >= cdiv(k_start + bk, bq). Padded query rows need no mask (their
+    cotangent and delta are zero, so they add nothing to dk / dv)."""
+    lo, hi = _q_block_range(k_start, bk, bq, cfg)
+    mid = lo
+    if cfg.causal:
+        mid = jnp.clip(lax.div(k_start + bk + (bq - 1), bq), lo, hi)
+    if pad:
+        mid = jnp.where(k_start + bk > cfg.seq_len, hi, mid)
+    return lo, mid, hi
+
+
 def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, residual: bool):
     refs = list(refs)
     ores_ref = refs.pop() if residual else None
@@ -218,28 +261,38 @@ def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, residual: bool):
     q_seg = qseg_ref[...] if has_seg else None
     scale2 = sc_ref[0]                      # softmax_scale * log2(e) * s_q * s_k (undoes the operand scaling)
 
-    def body(j, carry):
+    def body(j, carry, masked: bool):
         acc, m, l = carry
         k_start = j * bk
         ks = pl.ds(k_start, bk)
         kt = k_ref[ks, :]
         vt = v_ref[ks, :]
-        s = _dot(q, kt, contract=(1, 1), precision=prec) * scale2                # [bq, bk] fp32, log2 domain
-        mask = _tile_mask(q_start, bq, k_start, bk, q_seg, kseg_ref[ks] if has_seg else None, cfg, pad)
-        if mask is not None:
-            s = jnp.where(mask, s, _NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        s = _dot(q, kt, contract=(1, 1), precision=prec)                       # [bq, bk] fp32, unscaled
+        mask = None
+        if masked:
+            mask = _tile_mask(q_start, bq, k_start, bk, q_seg, kseg_ref[ks] if has_seg else None, cfg, pad)
+        if mask is None:
+            # max(s * c) = max(s) * c for c > 0; s * c - m is one FMA per element (FlashAttention's inner loop).
+            m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale2)
+            p = jnp.exp2(s * scale2 - m_new[:, None])
+        else:
+            s = jnp.where(mask, s * scale2, _NEG)                               # log2 domain
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)              # fully masked rows stay at 0
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)                                         # fully masked rows stay at 0
         l = alpha * l + jnp.sum(p, axis=1)
         acc = alpha[:, None] * acc + _dot(p.astype(vt.dtype), vt, contract=(1, 0), precision=prec)
         return acc, m_new, l
 
-    lo, hi = _kv_block_range(q_start, bq, bk, cfg)
     init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    if _splits(cfg, has_seg):
+        # Fully visible kv blocks first (no mask), then the diagonal / padded ones: the same order as one loop.
+        lo, mid, hi = _kv_block_split(q_start, bq, bk, cfg)
+        carry = lax.fori_loop(lo, mid, functools.partial(body, masked=False), init)
+        acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
+    else:
+        lo, hi = _kv_block_range(q_start, bq, bk, cfg)
+        acc, m, l = lax.fori_loop(lo, hi, functools.partial(body, masked=True), init)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o = acc / l_safe[:, None]                                                   # in units of s_v
@@ -303,9 +356,8 @@ def _dkv_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, group: int):
     kt = k_ref[...]
     vt = v_ref[...]
     k_seg = kseg_ref[...] if has_seg else None
-    lo, hi = _q_block_range(k_start, bk, bq, cfg)
 
-    def q_body(i, carry, g):
+    def q_body(i, carry, g, masked: bool):
         dk, dv = carry
         q_start = i * bq
         qs = pl.ds(q_start, bq)
@@ -315,17 +367,28 @@ def _dkv_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, group: int):
         delta = delta_ref[g, qs]
         s = _dot(qt, kt, contract=(1, 1), precision=prec) * scale2               # [bq, bk]
         p = jnp.exp2(s - lse[:, None])
-        mask = _tile_mask(q_start, bq, k_start, bk, qseg_ref[qs] if has_seg else None, k_seg, cfg, pad)
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
+        if masked:
+            mask = _tile_mask(q_start, bq, k_start, bk, qseg_ref[qs] if has_seg else None, k_seg, cfg, pad)
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
         dv = dv + _dot(p.astype(dot_.dtype), dot_, contract=(0, 0), precision=prec)
         dp = _dot(dot_, vt, contract=(1, 1), precision=prec)                     # [bq, bk]
         ds = p * (dp - delta[:, None])
         dk = dk + _dot(ds.astype(qt.dtype), qt, contract=(0, 0), precision=prec)
         return dk, dv
 
-    def g_body(g, carry):
-        return lax.fori_loop(lo, hi, functools.partial(q_body, g=g), carry)
+    if _splits(cfg, has_seg):
+        # q blocks on the diagonal or seeing padded keys (masked) first, then those below it: ascending order.
+        lo, mid, hi = _q_block_split(k_start, bk, bq, cfg, pad)
+
+        def g_body(g, carry):
+            carry = lax.fori_loop(lo, mid, functools.partial(q_body, g=g, masked=True), carry)
+            return lax.fori_loop(mid, hi, functools.partial(q_body, g=g, masked=False), carry)
+    else:
+        lo, hi = _q_block_range(k_start, bk, bq, cfg)
+
+        def g_body(g, carry):
+            return lax.fori_loop(lo, hi, functools.partial(q_body, g=g, masked=True), carry)
 
     init = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32))
     if group == 1:
@@ -353,22 +416,29 @@ def _dq_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
     delta = delta_ref[...]
     q_seg = qseg_ref[...] if has_seg else None
 
-    def body(j, dq):
+    def body(j, dq, masked: bool):
         k_start = j * bk
         ks = pl.ds(k_start, bk)
         kt = k_ref[ks, :]
         vt = v_ref[ks, :]
         s = _dot(qt, kt, contract=(1, 1), precision=prec) * scale2
         p = jnp.exp2(s - lse[:, None])
-        mask = _tile_mask(q_start, bq, k_start, bk, q_seg, kseg_ref[ks] if has_seg else None, cfg, pad)
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
+        if masked:
+            mask = _tile_mask(q_start, bq, k_start, bk, q_seg, kseg_ref[ks] if has_seg else None, cfg, pad)
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
         dp = _dot(dot_, vt, contract=(1, 1), precision=prec)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(kt.dtype), kt, contract=(1, 0), precision=prec)
 
-    lo, hi = _kv_block_range(q_start, bq, bk, cfg)
-    dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, d), jnp.float32))
+    init = jnp.zeros((bq, d), jnp.float32)
+    if _splits(cfg, has_seg):
+        lo, mid, hi = _kv_block_split(q_start, bq, bk, cfg)
+        dq = lax.fori_loop(lo, mid, functools.partial(body, masked=False), init)
+        dq = lax.fori_loop(mid, hi, functools.partial(body, masked=True), dq)
+    else:
+        lo, hi = _kv_block_range(q_start, bq, bk, cfg)
+        dq = lax.fori_loop(lo, hi, functools.partial(body, masked=True), init)
     dq_ref[...] = (dq * sc_ref[1]).astype(dq_ref.dtype)
 
 

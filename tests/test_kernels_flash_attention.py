@@ -258,6 +258,49 @@ def test_loop_bounds_skip_masked_blocks():
     assert qr(48, cfg(False, 20, 128)) == (1, 6)            # rows 29..82
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_block_splits_mask_exactly_where_needed(causal):
+    """Without segment ids and window, the loops split into fully visible blocks (no mask) and masked ones (the
+    causal diagonal, padded keys). Brute force over block sizes and ragged lengths: every block of the unmasked
+    range is fully visible (its mask would be all True), and the two ranges together are the unsplit range."""
+    for bq in (16, 32, 64):
+        for bk in (16, 32, 64):
+            for seq_len in (40, 64, 72, 100, 128):
+                sp = -(-seq_len // max(bq, bk)) * max(bq, bk)
+                pad = sp != seq_len
+                c = fa_mod._Config(backend="triton", causal=causal, scale=1.0, window=None, seq_len=seq_len,
+                                   block_q=bq, block_k=bk, block_q_bwd=bq, block_k_bwd=bk, num_warps=4,
+                                   num_stages=2, num_warps_bwd=4, num_stages_bwd=2, interpret=True)
+                full = lambda q_start, k_start: (
+                    (fa_mod._tile_mask(q_start, bq, k_start, bk, None, None, c, pad) is None)
+                    or bool(np.all(np.asarray(fa_mod._tile_mask(q_start, bq, k_start, bk, None, None, c, pad)))))
+                for q_start in range(0, sp, bq):                       # forward / dq: kv blocks of a q block
+                    lo, mid, hi = (int(x) for x in fa_mod._kv_block_split(q_start, bq, bk, c))
+                    assert (lo, hi) == tuple(int(x) for x in fa_mod._kv_block_range(q_start, bq, bk, c))
+                    assert lo <= mid <= hi
+                    for j in range(lo, hi):
+                        assert full(q_start, j * bk) == (j < mid), (bq, bk, seq_len, q_start, j)
+                for k_start in range(0, sp, bk):                       # dk / dv: q blocks of a kv block
+                    lo, mid, hi = (int(x) for x in fa_mod._q_block_split(k_start, bk, bq, c, pad))
+                    assert (lo, hi) == tuple(int(x) for x in fa_mod._q_block_range(k_start, bk, bq, c))
+                    assert lo <= mid <= hi
+                    for i in range(lo, hi):
+                        assert full(i * bq, k_start) == (i >= mid), (bq, bk, seq_len, k_start, i)
+
+
+@pytest.mark.parametrize("dtype,seq,blocks", [
+    (jnp.float32, 72, (16, 16, 16, 16)),
+    (jnp.bfloat16, 64, (16, 16, 16, 16)),
+    (jnp.float32, 64, (16, 32, 32, 16)),
+    (jnp.bfloat16, 72, (32, 16, 16, 32)),
+], ids=["f32-s72-b16", "bf16-s64-b16", "f32-s64-b16x32", "bf16-s72-b32x16"])
+def test_flash_attention_causal_unmasked_blocks(dtype, seq, blocks):
+    """Plain causal attention over several blocks: the kernels' unmasked block loops (blocks below the diagonal)
+    run next to the masked ones (diagonal, ragged last block), forward and backward."""
+    bq, bk, bqb, bkb = blocks
+    _check(91 + seq, 1, seq, 4, 2, 64, dtype, True, False, bq, bk, block_q_bwd=bqb, block_k_bwd=bkb)
+
+
 def test_package_exports():
     assert pallas_kernels.flash_attention is flash_attention
     assert pallas_kernels.flash_attention_reference is flash_attention_reference

@@ -33,7 +33,9 @@ def test_kernels_and_train_step_compile_for_h100():
     assert out["platform"] == "gpu" and "H100" in out["device_kind"]
     # forward + backward: attention 1 + 2 kernels, rope 2 + 2 (q and k), swiglu 1 + 1
     assert out["flash_attention"]["triton_calls"] == 3
+    assert out["flash_attention_causal"]["triton_calls"] == 3
     assert out["rope"]["triton_calls"] == 4
     assert out["swiglu"]["triton_calls"] == 2
     assert out["train_step"]["triton_calls"] == 9  # the model really runs the kernels, per shard
-    assert 0 < out["flash_attention"]["temp_bytes"] < 2**30  # no [seq, seq] score matrix at seq 8192
+    for name in ("flash_attention", "flash_attention_causal"):
+        assert 0 < out[name]["temp_bytes"] < 2**30  # no [seq, seq] score matrix at seq 8192
