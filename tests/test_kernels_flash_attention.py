@@ -294,9 +294,12 @@ def test_block_splits_mask_exactly_where_needed(causal):
     (jnp.float32, 64, (16, 32, 32, 16)),
     (jnp.bfloat16, 72, (32, 16, 16, 32)),
 ], ids=["f32-s72-b16", "bf16-s64-b16", "f32-s64-b16x32", "bf16-s72-b32x16"])
-def test_flash_attention_causal_unmasked_blocks(dtype, seq, blocks):
+@pytest.mark.parametrize("split_backward", [False, True], ids=["bwd-default", "bwd-split"])
+def test_flash_attention_causal_unmasked_blocks(dtype, seq, blocks, split_backward, monkeypatch):
     """Plain causal attention over several blocks: the kernels' unmasked block loops (blocks below the diagonal)
-    run next to the masked ones (diagonal, ragged last block), forward and backward."""
+    run next to the masked ones (diagonal, ragged last block), forward and backward (the backward split is off
+    by default, fa_mod.SPLIT_BACKWARD, and checked both ways)."""
+    monkeypatch.setattr(fa_mod, "SPLIT_BACKWARD", split_backward)
     bq, bk, bqb, bkb = blocks
     _check(91 + seq, 1, seq, 4, 2, 64, dtype, True, False, bq, bk, block_q_bwd=bqb, block_k_bwd=bkb)
 
