@@ -152,3 +152,16 @@ def test_bubble_fraction_in_startup_summary(caplog):
 def test_layers_not_divisible_is_a_config_error():
     with pytest.raises(ConfigError, match="model.num_layers"):
         Run(pipe_config(6, 4, *S4_F2, "train.micro_batch_size=2"), jax.devices())
+
+
+def test_gpipe_trains_in_bfloat16_on_cpu():
+    """bf16 activations through the gpipe loop on CPU (XLA:CPU aborted on the bf16 stage reductions)."""
+    cfg = pipe_config(4, 4, *S2_F2_T2, "parallel.pipeline_schedule=gpipe", "model.dtype=bfloat16",
+                      "train.micro_batch_size=2")
+    run = Run(cfg, jax.devices())
+    batch = put_batch(synthetic_batch(cfg, 0), run.batch_sharding)
+    losses = []
+    for _ in range(STEPS):
+        run.state, m = run.train_step(run.state, batch)
+        losses.append(float(m["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -131,7 +131,7 @@ def _in_stage_rules(fn: Callable, rules) -> Callable:
 
 
 def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chunks: Any, xs: jax.Array,
-                     micro: dict) -> jax.Array:
+                     micro: dict, act_dtype) -> jax.Array:
     """Run the stage loop on embedded micro batches xs [M, mb, seq, d]; the last chunk's outputs [M, ...],
     split over ``stage`` along M when S divides M (else replicated)."""
     S, M, V = spec.stages, spec.micro_batches, spec.chunks_per_device
@@ -139,7 +139,7 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
 
     @jax.checkpoint
     def run_chunk(local, v, x, m):  # rematerialized: the backward keeps only the stage input per tick
-        return stage(_index(local, v), x, _index(micro, m))
+        return stage(_index(local, v), x.astype(act_dtype), _index(micro, m)).astype(x.dtype)
 
     def body(chunks, xs, micro_in):
         local = jax.tree.map(lambda a: a[0], chunks)                     # [V, Lc, ...]
@@ -208,7 +208,12 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
     """(loss, aux) summed over the micro batches, through the gpipe/circular forward loop. Differentiable."""
     chunks = _chunked(stacked, stacked_specs, spec, mesh)
     xs = jax.vmap(pre, in_axes=(None, 0))(shared, micro)                      # [M, mb, seq, d]
-    outs = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro)
+    dtype = xs.dtype
+    if mesh.devices.flat[0].platform == "cpu":
+        # XLA:CPU's bf16 all-reduce rewrite (ChangeOpDataType) aborts on the stage reductions of 16-bit
+        # arrays at this boundary, so on CPU they cross it in fp32.
+        xs = xs.astype(jnp.float32)
+    outs = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro, dtype).astype(dtype)
     return _per_micro(spec, mesh, post, shared, outs, micro)
 
 
