@@ -154,8 +154,9 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
             v, m = ic // M, ic % M
             first = xs[m] if V == 1 else jnp.where(v == 0, xs[m], loop_buf[m])
             x_in = jnp.where(s == 0, first, cur)
-            # Fill and drain ticks skip the stage (and its backward) instead of computing on padding.
-            y = lax.cond(valid, run_chunk, lambda local, v, x, m: jnp.zeros_like(x), local, v, x_in, m)
+            # Fill and drain ticks compute on padding (discarded): a lax.cond here would make the stage weights
+            # residuals of every tick under autodiff (measured: 2x the temp memory at M = 64).
+            y = run_chunk(local, v, x_in, m)
             done = valid & (s == S - 1) & (v == V - 1)
             outs = outs.at[m].set(jnp.where(done, y, outs[m]))
             nxt = lax.ppermute(y, AXIS, ring)
