@@ -61,17 +61,25 @@ def _fwd_bwd(f, argnums):
     return jax.jit(jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=argnums))
 
 
+def _attention_inputs(seq: int, batch: int, packed: bool):
+    """Llama-3-8B attention operands in bf16 (32 heads, 8 kv heads, head_dim 128); packed: 4 documents per row."""
+    import jax
+    import jax.numpy as jnp
+    keys = jax.random.split(jax.random.key(seq), 3)
+    q = jax.random.normal(keys[0], (batch, seq, 32, 128), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, 8, 128), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seq, 8, 128), jnp.bfloat16)
+    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None].repeat(batch, 0) if packed else None
+    return q, k, v, seg
+
+
 def attention_cases(seq: int, batch: int, packed: bool, iters: int, which=("pallas", "xla", "cudnn")) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 
-    h, kv, d = 32, 8, 128
-    keys = jax.random.split(jax.random.key(seq), 3)
-    q = jax.random.normal(keys[0], (batch, seq, h, d), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (batch, seq, kv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (batch, seq, kv, d), jnp.bfloat16)
-    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None].repeat(batch, 0) if packed else None
+    h, d = 32, 128
+    q, k, v, seg = _attention_inputs(seq, batch, packed)
     impls = {
         "pallas": lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg),
         "xla": lambda q, k, v: flash_attention_reference(q, k, v, causal=True, segment_ids=seg),
@@ -197,12 +205,8 @@ def sweep_cases(seq: int, batch: int, iters: int, packed: bool) -> list[dict]:
     import jax.numpy as jnp
     from pallas_kernels.flash_attention import flash_attention
 
-    h, kv, d = 32, 8, 128
-    keys = jax.random.split(jax.random.key(seq), 3)
-    q = jax.random.normal(keys[0], (batch, seq, h, d), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (batch, seq, kv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (batch, seq, kv, d), jnp.bfloat16)
-    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None].repeat(batch, 0) if packed else None
+    h, d = 32, 128
+    q, k, v, seg = _attention_inputs(seq, batch, packed)
     flops_fwd = 4 * batch * seq * seq / 2 * h * d
     rows = []
     for mode, grid in (("fwd", SWEEP_FWD), ("fwd+bwd", SWEEP_BWD)):
