@@ -85,10 +85,8 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, cache: KVCach
     """Logits ``[batch, s, vocab]`` (fp32) of ``tokens [batch, s]`` at cache slots ``index..index+s-1``
     (RoPE ``positions [batch, s]``), and the updated cache. See the module docstring for ``start``."""
     cfg = model.cfg
-    dt = jnp.dtype(compute_dtype(cfg))
     index = jnp.asarray(index, jnp.int32)
-    table = model.embed[...].astype(dt)
-    x = jnp.take(table, tokens, axis=0)
+    x = model.embed_tokens(tokens)
     inv_freq = rope_frequencies(cfg)
     mask = cache_mask(start.astype(jnp.int32), index, tokens.shape[1], cache.k.shape[2])
 
@@ -104,7 +102,4 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, cache: KVCach
         return x, (k_l, v_l)
 
     x, (k, v) = jax.lax.scan(block, x, (state, cache.k, cache.v))
-    x = model.final_norm(x)
-    head = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
-    logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dt), preferred_element_type=jnp.float32)
-    return logits, KVCache(k, v)
+    return model.logits(x), KVCache(k, v)
