@@ -86,6 +86,11 @@ class ParallelConfig:
                                         "(interleaved virtual stages, see virtual_stages).")
     virtual_stages: int = _f(1, "circular schedule: layer chunks per device (Megatron's virtual pipeline); "
                                 "the bubble shrinks from (S-1)/(M+S-1) to (S-1)/(V*M+S-1).")
+    pipeline_fsdp_gather_once: bool = _f(False, "With stage > 1 and fsdp > 1: all-gather each stage's weights "
+                                                "over 'fsdp' once per step (and reduce-scatter their gradients "
+                                                "once) instead of in every pipeline tick. Faster; costs the "
+                                                "stage's unsharded weights and gradients in memory per device "
+                                                "(MaxText's pipeline_fsdp_ag_once).")
     sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
 
 

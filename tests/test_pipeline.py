@@ -23,6 +23,7 @@ S2_T2_D2 = ("parallel.stage=2", "parallel.tensor=2", "parallel.data=2")
 S4_F2 = ("parallel.stage=4", "parallel.fsdp=2", "parallel.data=1")
 S2_F2_T2 = ("parallel.stage=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1")
 S8 = ("parallel.stage=8", "parallel.data=1")
+S2_F2_T2_ONCE = S2_F2_T2 + ("parallel.pipeline_fsdp_gather_once=true",)  # weights gathered once per step
 
 # (schedule, layout, virtual stages, layers, micro batches)
 CASES = [
@@ -30,6 +31,7 @@ CASES = [
     ("1f1b", S4_F2, 1, 8, 4), ("gpipe", S4_F2, 1, 8, 4), ("circular", S4_F2, 2, 8, 4),
     ("1f1b", S2_F2_T2, 1, 8, 4), ("gpipe", S2_F2_T2, 1, 8, 4), ("circular", S2_F2_T2, 2, 8, 4),
     ("1f1b", S8, 1, 8, 4), ("gpipe", S8, 1, 8, 4), ("circular", S8, 2, 16, 8),
+    ("1f1b", S2_F2_T2_ONCE, 1, 8, 4), ("circular", S2_F2_T2_ONCE, 2, 8, 4),
 ]
 
 
@@ -80,14 +82,15 @@ def reference(layers: int, micro_batches: int):
 
 
 @pytest.mark.parametrize("schedule,layout,virtual,layers,micro_batches", CASES,
-                         ids=[f"{c[0]}-" + "-".join(x.split(".")[1].replace("=", "") for x in c[1])
+                         ids=[f"{c[0]}-" + "-".join(x.split(".")[1].replace("=", "").replace("pipeline_fsdp_gather_oncetrue", "once")
+                                                for x in c[1])
                               + (f"-virtual{c[2]}" if c[2] > 1 else "") for c in CASES])
 def test_pipeline_equals_single_device(schedule, layout, virtual, layers, micro_batches):
     ref_ce, ref_grads, ref_hist = reference(layers, micro_batches)
     cfg = pipe_config(layers, micro_batches, *layout, f"parallel.pipeline_schedule={schedule}",
                       f"parallel.virtual_stages={virtual}",
                       f"train.micro_batch_size={BATCH // (micro_batches * _dp(layout))}")
-    full = layout == S2_F2_T2
+    full = layout[:4] == S2_F2_T2
     ce, grads, hist = grads_and_losses(cfg, jax.devices(), with_grads=full)
     if full:
         np.testing.assert_allclose(ce, ref_ce, rtol=1e-5)
@@ -165,3 +168,21 @@ def test_gpipe_trains_in_bfloat16_on_cpu():
         run.state, m = run.train_step(run.state, batch)
         losses.append(float(m["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_fsdp_gather_once_moves_the_weight_all_gathers_out_of_the_tick_loop():
+    """parallel.pipeline_fsdp_gather_once: no all-gather left inside the pipeline's tick loop (there are some
+    without it: the FSDP shards of each tick's weights)."""
+    import re
+
+    def all_gathers_in_loop(once: str) -> int:
+        cfg = pipe_config(8, 4, *S2_F2_T2, "parallel.pipeline_schedule=circular", "parallel.virtual_stages=2",
+                          "train.micro_batch_size=2", f"parallel.pipeline_fsdp_gather_once={once}")
+        run = Run(cfg, jax.devices())
+        batch = put_batch(synthetic_batch(cfg, 0), run.batch_sharding)
+        hlo = run.train_step.lower(run.state, batch).compile().as_text()
+        return sum(1 for line in hlo.splitlines()
+                   if re.search(r"= \S+ all-gather\(", line) and "shard_map/while" in line)
+
+    assert all_gathers_in_loop("false") > 0
+    assert all_gathers_in_loop("true") == 0

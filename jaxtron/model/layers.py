@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig, head_dim
 from jaxtron.model.attention import attention
+from jaxtron.model.projection import project
 from jaxtron.parallel.sharding import constrain, kernel_interpret, per_shard
 
 
@@ -47,15 +49,36 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     return inv_freq
 
 
+class Rope(NamedTuple):
+    """What a layer needs to rotate q and k: positions [batch, seq] and inverse frequencies [head_dim/2] (the
+    fused kernel's inputs), and the cos/sin tables [batch, seq, head_dim/2] computed from them once per forward
+    (``rope_tables``) rather than once per layer."""
+    positions: jax.Array
+    inv_freq: jax.Array
+    cos: Optional[jax.Array] = None
+    sin: Optional[jax.Array] = None
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of positions * inv_freq: fp32 [batch, seq, head_dim/2]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [batch, seq, heads, head_dim] rotated by the tables of :func:`rope_tables`, in the rotate-half
+    (Hugging Face) layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for the two halves of head_dim.
+    Written with the halves as an axis of size 2 (swap = flip of that axis), not split + concatenate: no
+    concatenate in the forward and no pads in the backward."""
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    cos, sin = cos[:, :, None, None, :], sin[:, :, None, None, :]
+    swapped = jnp.flip(xf, axis=-2) * jnp.array([-1.0, 1.0], jnp.float32)[:, None]
+    return (xf * cos + swapped * sin).reshape(x.shape).astype(x.dtype)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """x: [batch, seq, heads, head_dim]; positions: [batch, seq]. Rotate-half (Hugging Face) layout."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return rotate(x, *rope_tables(positions, inv_freq))
 
 
 def pallas_rope(q, k, positions, inv_freq):
@@ -90,23 +113,24 @@ class Attention(nnx.Module):
             self.bk = param(rngs, (kvh, hd), ("kv_heads", "head_dim"), 0.0, pd)
             self.bv = param(rngs, (kvh, hd), ("kv_heads", "head_dim"), 0.0, pd)
 
-    def __call__(self, x, positions, segment_ids, inv_freq):
+    def __call__(self, x, rope: Rope, segment_ids):
         dt = x.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
+        q = project("bsd,dhk->bshk", x, self.wq[...].astype(dt))
+        k = project("bsd,dhk->bshk", x, self.wk[...].astype(dt))
+        v = project("bsd,dhk->bshk", x, self.wv[...].astype(dt))
         if self.cfg.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         if self.cfg.rope_impl == "pallas":
-            q, k = pallas_rope(q, k, positions, inv_freq)
+            q, k = pallas_rope(q, k, rope.positions, rope.inv_freq)
         else:
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            cos, sin = (rope.cos, rope.sin) if rope.cos is not None else rope_tables(rope.positions, rope.inv_freq)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dt))
+        return project("bshk,hkd->bsd", out, self.wo[...].astype(dt))
 
 
 class SwiGLU(nnx.Module):
@@ -121,8 +145,8 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        gate = jnp.einsum("bsd,df->bsf", x, self.w_gate[...].astype(dt))
-        up = jnp.einsum("bsd,df->bsf", x, self.w_up[...].astype(dt))
+        gate = project("bsd,df->bsf", x, self.w_gate[...].astype(dt))
+        up = project("bsd,df->bsf", x, self.w_up[...].astype(dt))
         h = pallas_swiglu(gate, up) if self.mlp_impl == "pallas" else jax.nn.silu(gate) * up
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
-        return jnp.einsum("bsf,fd->bsd", h, self.w_down[...].astype(dt))
+        return project("bsf,fd->bsd", h, self.w_down[...].astype(dt))

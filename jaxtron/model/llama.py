@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, compute_dtype
-from jaxtron.model.layers import Attention, RMSNorm, SwiGLU, param, rope_frequencies
+from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
+from jaxtron.model.projection import project
 from jaxtron.parallel.sharding import constrain
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -36,8 +37,8 @@ class DecoderBlock(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, inv_freq):
-        x = x + self.attention(self.attn_norm(x), positions, segment_ids, inv_freq)
+    def __call__(self, x, rope: Rope, segment_ids):
+        x = x + self.attention(self.attn_norm(x), rope, segment_ids)
         x = constrain(x, RESIDUAL)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, RESIDUAL)
@@ -97,11 +98,15 @@ class Llama(nnx.Module):
     def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
         """The stacked decoder blocks (however many ``self.layers`` holds), scanned, with the remat policy."""
         inv_freq = rope_frequencies(self.cfg)
+        if self.cfg.rope_impl == "xla":  # the cos/sin tables once for all the layers
+            rope = Rope(positions, inv_freq, *rope_tables(positions, inv_freq))
+        else:
+            rope = Rope(positions, inv_freq)
         graphdef, state = nnx.split(self.layers)
 
         def block(carry, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            return layer(carry, positions, segment_ids, inv_freq), None
+            return layer(carry, rope, segment_ids), None
 
         if self.cfg.remat != "none":
             block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
@@ -112,5 +117,5 @@ class Llama(nnx.Module):
         """Final norm and LM head: [batch, seq, hidden] -> fp32 logits [batch, seq, vocab]."""
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = project("bsd,dv->bsv", x, head.astype(x.dtype), jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))

@@ -77,15 +77,19 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules) -> dict:
                         logical_names(abstract_state), is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def kernel_interpret() -> bool:
-    """Whether Pallas GPU kernels must run in interpret mode: the devices of the current mesh (else JAX's
-    default backend) are CPUs. Decided by the mesh, not the default backend, so a step compiled for GPUs from a
-    CPU-only machine (ahead of time) gets the real kernels."""
+def devices_are_cpu() -> bool:
+    """Whether the devices of the current mesh (else JAX's default backend) are CPUs. Decided by the mesh, not
+    the default backend, so a step compiled for GPUs from a CPU-only machine (ahead of time) gets GPU code."""
     ctx = getattr(_STATE, "ctx", None)
     mesh = ctx[1] if ctx else None
     if mesh is not None and hasattr(mesh, "devices"):
         return mesh.devices.flat[0].platform == "cpu"
     return jax.default_backend() == "cpu"
+
+
+def kernel_interpret() -> bool:
+    """Whether Pallas GPU kernels must run in interpret mode (the devices are CPUs)."""
+    return devices_are_cpu()
 
 
 def per_shard(fn, in_names: Sequence, out_names):

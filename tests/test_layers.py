@@ -1,0 +1,59 @@
+"""The model's building blocks against plain references: ``project`` (the CPU weight-gradient layout) against
+``jnp.einsum`` in value and gradient, and ``rotate`` (RoPE) against the split/concatenate formulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtron.model.layers import apply_rope, rope_tables, rotate
+from jaxtron.model.projection import _cpu_project, project
+from pallas_kernels.rope import rope_inv_freq, rope_reference
+
+SPECS = {  # spec: (x shape, w shape), as the model uses them
+    "bsd,df->bsf": ((2, 24, 16), (16, 40)),
+    "bsf,fd->bsd": ((2, 24, 40), (40, 16)),
+    "bsd,dhk->bshk": ((2, 24, 16), (16, 4, 8)),
+    "bshk,hkd->bsd": ((2, 24, 4, 8), (4, 8, 16)),
+}
+
+
+@pytest.mark.parametrize("spec", sorted(SPECS))
+@pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, jnp.float32)])
+def test_cpu_projection_matches_einsum(spec, dtype, out_dtype):
+    xs, ws = SPECS[spec]
+    kx, kw, kc = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(kx, xs, jnp.float32).astype(dtype)
+    w = (0.3 * jax.random.normal(kw, ws, jnp.float32)).astype(dtype)
+    out_shape = jax.eval_shape(lambda: jnp.einsum(spec, x, w)).shape
+    ct = jax.random.normal(kc, out_shape, jnp.float32)
+
+    def loss(fn):
+        return lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * ct)
+
+    ref = lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+    ours = lambda x, w: _cpu_project(spec, x, w, out_dtype)  # the CPU path, whatever the backend
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(jax.jit(ours)(x, w), np.float32),
+                               np.asarray(jax.jit(ref)(x, w), np.float32), **tol)
+    g_ours = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(x, w)
+    g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(x, w)
+    for a, b in zip(g_ours, g_ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+    assert project(spec, x, w, out_dtype).dtype == ref(x, w).dtype
+
+
+def test_rotate_matches_split_concatenate_reference():
+    kx, kp = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (2, 37, 3, 64), jnp.float32)
+    positions = jax.random.randint(kp, (2, 37), 0, 4096)
+    inv_freq = rope_inv_freq(64, 500000.0)
+    want = rope_reference(x, positions, inv_freq)
+    np.testing.assert_allclose(np.asarray(apply_rope(x, positions, inv_freq)), np.asarray(want), rtol=1e-6, atol=1e-6)
+    cos, sin = rope_tables(positions, inv_freq)
+    assert cos.shape == (2, 37, 32)
+    # the backward: the rotation is orthogonal, so its VJP is the rotation by -angle
+    ct = jax.random.normal(kp, x.shape, jnp.float32)
+    (g,) = jax.vjp(lambda x: rotate(x, cos, sin), x)[1](ct)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(rotate(ct, cos, -sin)), rtol=1e-5, atol=1e-5)
