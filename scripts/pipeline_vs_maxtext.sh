@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Pipeline schedules side by side with MaxText on 8 virtual CPU devices, interleaved so both see the same
+# machine load: the tiny benchmark model cut to 4 layers (width 256, 4 heads of 64, MLP 512, vocab 1024),
+# global batch 16 x 128 tokens, stage 2 x fsdp 2 x tensor 2, 4 micro batches.
+#
+#   MAXTEXT_PYTHON=/path/to/mt-venv/bin/python scripts/pipeline_vs_maxtext.sh [ROUNDS] [jaxtron overrides...]
+#
+# MaxText (>= 0.2.5, Python >= 3.12; see ../shared/notes/maxtext-baseline.md) runs 40 steps with its defaults
+# (bf16 activations, remat_policy=full); its s/step is read from its log timestamps, steps 9 to 39. jaxtron's
+# comes from scripts/bench_train.py (30 timed steps after 3 warmup). Without MAXTEXT_PYTHON only jaxtron runs.
+set -euo pipefail
+ROUNDS=${1:-3}
+shift || true
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python}
+OUT=$(mktemp -d)
+MODEL="model.hidden_size=256 model.num_heads=4 model.num_kv_heads=4 model.head_dim=64 model.intermediate_size=512
+       model.vocab_size=1024 model.num_layers=4 data.seq_len=128 train.global_batch_size=16 parallel.stage=2
+       parallel.fsdp=2 parallel.tensor=2 parallel.data=1 train.micro_batch_size=2"
+MT_PIPE="ici_pipeline_parallelism=2 ici_fsdp_parallelism=2 ici_tensor_parallelism=2 num_pipeline_microbatches=4"
+
+jaxtron() {  # overrides -> s/step
+  JAX_PLATFORMS=cpu "$PY" "$HERE/scripts/bench_train.py" --cpu-devices 8 --steps 30 --json $MODEL "$@" \
+    | tail -1 | "$PY" -c "import json, sys; print(f\"{json.load(sys.stdin)['step_s']:.3f}\")"
+}
+
+maxtext() {  # extra MaxText args -> s/step
+  local log="$OUT/maxtext_$RANDOM.log"
+  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 "$MAXTEXT_PYTHON" \
+    -m maxtext.trainers.pre_train.train run_name="cpu_$RANDOM" base_output_directory="$OUT/mt" hardware=cpu \
+    skip_jax_distributed_system=True dataset_type=synthetic steps=40 enable_checkpointing=false \
+    per_device_batch_size=2 max_target_length=128 base_emb_dim=256 base_num_query_heads=4 base_num_kv_heads=4 \
+    base_mlp_dim=512 base_num_decoder_layers=4 head_dim=64 vocab_size=1024 attention=dot_product \
+    enable_tensorboard=false $MT_PIPE "$@" > "$log" 2>&1
+  "$PY" - "$log" <<'EOF'
+import re, sys
+from datetime import datetime
+t = {}
+for line in open(sys.argv[1]):
+    m = re.search(r"^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*completed step: (\d+),", line)
+    if m:
+        t[int(m.group(2))] = datetime.strptime(m.group(1), "%H:%M:%S.%f")
+print(f"{(t[39] - t[9]).total_seconds() / 30:.3f}")
+EOF
+}
+
+for r in $(seq "$ROUNDS"); do
+  echo "round $r ($(date +%T))"
+  [ -n "${MAXTEXT_PYTHON:-}" ] && echo "  maxtext  gpipe     $(maxtext num_layers_per_pipeline_stage=2 scan_layers=false)"
+  echo "  jaxtron  gpipe     $(jaxtron parallel.pipeline_schedule=gpipe "$@")"
+  [ -n "${MAXTEXT_PYTHON:-}" ] && echo "  maxtext  circular  $(maxtext num_layers_per_pipeline_stage=1 scan_layers=true)"
+  echo "  jaxtron  circular  $(jaxtron parallel.pipeline_schedule=circular parallel.virtual_stages=2 "$@")"
+  echo "  jaxtron  1f1b      $(jaxtron parallel.pipeline_schedule=1f1b "$@")"
+done
+rm -rf "$OUT"
