@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtron.parallel.sharding import use_rules
 
 AXIS = "stage"
+FSDP_AXIS = "fsdp"
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class PipelineSpec:
     micro_batches: int
     schedule: str = "1f1b"      # '1f1b' | 'gpipe' | 'circular'
     virtual_stages: int = 1     # circular only
-    gather_axes: tuple = ()     # mesh axes the stage's weights are gathered over once per step (e.g. 'fsdp')
+    gather_fsdp: bool = False   # gather the stage's weights over 'fsdp' once per step, not per tick
 
     @property
     def chunks_per_device(self) -> int:
@@ -75,15 +76,16 @@ class PipelineSpec:
 def _chunked(stacked: Any, stacked_specs: Any, spec: PipelineSpec, mesh: Mesh) -> Any:
     """[L, ...] leaves (contiguous per stage) -> [S, V, L/(S*V), ...], device s holding chunks s, s+S, ...
 
-    With V = 1 this is a local reshape (no data moves); with V > 1 it regroups the layers across stages. The
-    mesh axes in ``spec.gather_axes`` are dropped from the weights' sharding here, once per step (an all-gather;
-    the gradients are reduce-scattered once in return), instead of in every tick of the loop."""
+    With V = 1 this is a local reshape (no data moves); with V > 1 it regroups the layers across stages. With
+    ``spec.gather_fsdp`` the ``fsdp`` axis is dropped from the weights' sharding here, once per step (an
+    all-gather; the gradients are reduce-scattered once in return), instead of in every tick of the loop."""
     s, v = spec.stages, spec.chunks_per_device
+    gathered = (FSDP_AXIS,) if spec.gather_fsdp else ()
 
     def drop(entry):
         if entry is None or isinstance(entry, str):
-            return None if entry in spec.gather_axes else entry
-        kept = tuple(a for a in entry if a not in spec.gather_axes)
+            return None if entry in gathered else entry
+        kept = tuple(a for a in entry if a not in gathered)
         return kept or None
 
     def one(w, pspec):

@@ -97,8 +97,8 @@ def pipeline_spec(cfg: Config, mesh: Mesh, micro_batches: int, for_eval: bool = 
     schedule = cfg.parallel.pipeline_schedule
     if for_eval and schedule == "1f1b":
         schedule = "gpipe"
-    gather = ("fsdp",) if cfg.parallel.pipeline_fsdp_gather_once and mesh.shape["fsdp"] > 1 else ()
-    return pipeline.PipelineSpec(stages, micro_batches, schedule, cfg.parallel.virtual_stages, gather)
+    return pipeline.PipelineSpec(stages, micro_batches, schedule, cfg.parallel.virtual_stages,
+                                 cfg.parallel.pipeline_fsdp_gather_once)
 
 
 def _split_stacked(params: dict) -> tuple[dict, dict]:
