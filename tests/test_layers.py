@@ -1,5 +1,5 @@
-"""The model's building blocks against plain references: ``project`` (the CPU weight-gradient layout) against
-``jnp.einsum`` in value and gradient, and ``rotate`` (RoPE) against the split/concatenate formulation."""
+"""The model's building blocks against plain references: ``project`` and ``contract`` (the CPU matmul paths)
+against ``jnp.einsum`` in value and gradient, and ``rotate`` (RoPE) against the split/concatenate formulation."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxtron.model.layers import apply_rope, rope_tables, rotate
-from jaxtron.model.projection import _cpu_project, project
+from jaxtron.model.projection import _cpu_contract, _cpu_project, contract, project
 from pallas_kernels.rope import rope_inv_freq, rope_reference
 
 SPECS = {  # spec: (x shape, w shape), as the model uses them
@@ -19,9 +19,27 @@ SPECS = {  # spec: (x shape, w shape), as the model uses them
 
 
 @pytest.mark.parametrize("spec", sorted(SPECS))
-@pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, jnp.float32)])
+@pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, jnp.float32), (jnp.bfloat16, None)])
 def test_cpu_projection_matches_einsum(spec, dtype, out_dtype):
-    xs, ws = SPECS[spec]
+    _check_against_einsum(spec, SPECS[spec], dtype, out_dtype, _cpu_project, project)
+
+
+CONTRACT_SPECS = {  # attention's two contractions (GQA: 2 kv heads, 2 queries per kv head)
+    "bqkgd,bskd->bkgqs": ((2, 24, 2, 2, 8), (2, 24, 2, 8)),
+    "bkgqs,bskd->bqkgd": ((2, 2, 2, 24, 24), (2, 24, 2, 8)),
+}
+
+
+@pytest.mark.parametrize("spec", sorted(CONTRACT_SPECS))
+@pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, jnp.float32), (jnp.bfloat16, None)])
+def test_cpu_contraction_matches_einsum(spec, dtype, out_dtype):
+    _check_against_einsum(spec, CONTRACT_SPECS[spec], dtype, out_dtype, _cpu_contract, contract)
+
+
+def _check_against_einsum(spec, shapes, dtype, out_dtype, cpu_fn, public_fn):
+    """Value and both gradients of the CPU path against ``jnp.einsum``: equal to 1e-5 in fp32; in bf16 the CPU
+    path rounds an fp32 cotangent to bf16 before its matmuls, so to bf16 precision."""
+    xs, ws = shapes
     kx, kw, kc = jax.random.split(jax.random.key(7), 3)
     x = jax.random.normal(kx, xs, jnp.float32).astype(dtype)
     w = (0.3 * jax.random.normal(kw, ws, jnp.float32)).astype(dtype)
@@ -32,16 +50,22 @@ def test_cpu_projection_matches_einsum(spec, dtype, out_dtype):
         return lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * ct)
 
     ref = lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
-    ours = lambda x, w: _cpu_project(spec, x, w, out_dtype)  # the CPU path, whatever the backend
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(np.asarray(jax.jit(ours)(x, w), np.float32),
-                               np.asarray(jax.jit(ref)(x, w), np.float32), **tol)
+    ours = lambda x, w: cpu_fn(spec, x, w, out_dtype)  # the CPU path, whatever the backend
+
+    def close(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        else:  # bf16 rounding (2**-8 relative) of the operands, the cotangent and the result
+            np.testing.assert_allclose(a, b, rtol=0, atol=1.5e-2 * np.abs(b).max())
+
+    close(jax.jit(ours)(x, w), jax.jit(ref)(x, w))
     g_ours = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(x, w)
     g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(x, w)
     for a, b in zip(g_ours, g_ref):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
-    assert project(spec, x, w, out_dtype).dtype == ref(x, w).dtype
+        close(a, b)
+    assert public_fn(spec, x, w, out_dtype).dtype == ref(x, w).dtype
 
 
 def test_rotate_matches_split_concatenate_reference():

@@ -13,6 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxtron.model.projection import contract
 from jaxtron.parallel.sharding import kernel_interpret, per_shard
 
 
@@ -21,14 +22,14 @@ def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> ja
     kvh = k.shape[2]
     g = h // kvh
     qg = q.reshape(b, s, kvh, g, d)  # GQA without repeating K/V
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = contract("bqkgd,bskd->bkgqs", qg, k, jnp.float32) * scale
     mask = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))[None, None, None]
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = mask & same[:, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    out = contract("bkgqs,bskd->bqkgd", probs, v, jnp.float32)
     return out.reshape(b, s, h, d).astype(q.dtype)
 
 

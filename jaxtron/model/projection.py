@@ -1,12 +1,23 @@
-"""``project(spec, x, w)``: the einsum of activations with a weight (every linear layer of the model).
+"""The model's matmuls: ``project(spec, x, w)`` (activations with a weight: every linear layer and the LM head)
+and ``contract(spec, a, b)`` (activations with activations: attention scores and values).
 
-On GPUs and TPUs it is ``jnp.einsum``. On CPUs its backward computes the weight gradient from a copy of the
-activations transposed so that the token axes are minor (``x^T`` materialized, then an ordinary matmul).
-Left to itself, XLA:CPU's layout assignment transposes the *other* operand of that matmul, the incoming
-gradient, and fuses the transpose into whatever produced it: for the SwiGLU gate that is the SiLU backward,
-which then runs element by element in transposed order, unvectorized (measured: 67 of 353 ms of a 4-layer
-train step on one CPU device, against about 2 ms for the copy of ``x``). The forward and ``dx`` are unchanged,
-and so are the numbers (same contractions, fp32 accumulation either way).
+On GPUs and TPUs both are ``jnp.einsum``. On CPUs they are ``custom_vjp``s shaped for XLA:CPU:
+
+- Every matmul accumulates in fp32 and rounds its result afterwards. XLA:CPU runs a bf16 x bf16 matmul on
+  its native kernel (AVX512-BF16) only when the result is fp32; asked for a bf16 result it converts both
+  operands to fp32 first and takes the fp32 kernel, about twice as slow.
+- In the backward of bf16 inputs, an fp32 cotangent (the LM head's, whose logits are fp32 for the loss, and
+  attention's, whose softmax is fp32) is rounded to bf16 before its two matmuls, as Megatron and MaxText do
+  (their bf16 logits and scores get bf16 cotangents) and as flash attention does with dS. A mixed fp32 x bf16
+  matmul would again take the fp32 kernel.
+- ``project``'s weight gradient is computed from a copy of the activations transposed so that the token axes
+  are minor (``x^T`` materialized, then an ordinary matmul). Left to itself, XLA:CPU's layout assignment
+  transposes the *other* operand of that matmul, the incoming gradient, and fuses the transpose into whatever
+  produced it: for the SwiGLU gate that is the SiLU backward, which then runs element by element in
+  transposed order, unvectorized (measured: 67 of 353 ms of a 4-layer train step on one CPU device, against
+  about 2 ms for the copy of ``x``).
+
+In fp32 the numbers are those of ``jnp.einsum`` (same contractions, fp32 accumulation either way).
 """
 
 from __future__ import annotations
@@ -21,33 +32,65 @@ from jaxtron.parallel.sharding import devices_are_cpu
 
 def _parse(spec: str) -> tuple[str, str, str]:
     ins, out = spec.replace(" ", "").split("->")
-    x, w = ins.split(",")
-    return x, w, out
+    a, b = ins.split(",")
+    return a, b, out
+
+
+def _cpu_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    out_dtype = out_dtype or jnp.result_type(a, b)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _cotangent(dy: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """The incoming gradient in the inputs' dtype when both inputs share a low-precision one."""
+    if a.dtype == b.dtype and jnp.dtype(a.dtype).itemsize < 4:
+        return dy.astype(a.dtype)
+    return dy
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def _cpu_project(spec: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
-    return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+    return _cpu_einsum(spec, x, w, out_dtype)
 
 
-def _fwd(spec, x, w, out_dtype):
+def _project_fwd(spec, x, w, out_dtype):
     return _cpu_project(spec, x, w, out_dtype), (x, w)
 
 
-def _bwd(spec, out_dtype, res, dy):
+def _project_bwd(spec, out_dtype, res, dy):
     x, w = res
     xs, ws, ys = _parse(spec)
-    dx = jnp.einsum(f"{ys},{ws}->{xs}", dy, w).astype(x.dtype)
+    dy = _cotangent(dy, x, w)
+    dx = _cpu_einsum(f"{ys},{ws}->{xs}", dy, w, x.dtype)
     # Axes of x that the weight lacks (batch, sequence) go last: the contraction runs over x's minor axes.
     xt_spec = "".join(a for a in xs if a in ws) + "".join(a for a in xs if a not in ws)
     # The barrier keeps XLA from folding the transpose back into the dot (which is what it would otherwise
     # lay out the other way round).
     xt = jax.lax.optimization_barrier(jnp.einsum(f"{xs}->{xt_spec}", x))
-    dw = jnp.einsum(f"{xt_spec},{ys}->{ws}", xt, dy).astype(w.dtype)
+    dw = _cpu_einsum(f"{xt_spec},{ys}->{ws}", xt, dy, w.dtype)
     return dx, dw
 
 
-_cpu_project.defvjp(_fwd, _bwd)
+_cpu_project.defvjp(_project_fwd, _project_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _cpu_contract(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    return _cpu_einsum(spec, a, b, out_dtype)
+
+
+def _contract_fwd(spec, a, b, out_dtype):
+    return _cpu_contract(spec, a, b, out_dtype), (a, b)
+
+
+def _contract_bwd(spec, out_dtype, res, dy):
+    a, b = res
+    as_, bs, ys = _parse(spec)
+    dy = _cotangent(dy, a, b)
+    return (_cpu_einsum(f"{ys},{bs}->{as_}", dy, b, a.dtype), _cpu_einsum(f"{as_},{ys}->{bs}", a, dy, b.dtype))
+
+
+_cpu_contract.defvjp(_contract_fwd, _contract_bwd)
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
@@ -56,3 +99,11 @@ def project(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     if devices_are_cpu():
         return _cpu_project(spec, x, w, out_dtype)
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+
+
+def contract(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
+    """``jnp.einsum(spec, a, b, preferred_element_type=out_dtype)`` for two activations (every axis of the
+    output and of the contraction belongs to at least one of them), e.g. attention's ``"bqhd,bkhd->bhqk"``."""
+    if devices_are_cpu():
+        return _cpu_contract(spec, a, b, out_dtype)
+    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
