@@ -26,6 +26,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--sync-each-step", action="store_true",
+                   help="wait for every step's metrics and report the median step time as well (steadier on a "
+                        "shared machine; costs the overlap of one step's dispatch with the previous step)")
     p.add_argument("--documents", type=int, default=1,
                    help="packed documents per row: segment ids and positions restart (sets data.reset_at_eod=true)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. parallel.fsdp=4")
@@ -85,10 +88,15 @@ def main(argv=None) -> int:
         state, metrics = step(state, batch)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
+    ends = []
     for _ in range(args.steps):
         state, metrics = step(state, batch)
+        if args.sync_each_step:
+            jax.block_until_ready(metrics)
+            ends.append(time.perf_counter())
     jax.block_until_ready((state, metrics))
     step_s = (time.perf_counter() - t0) / args.steps
+    step_s_median = float(np.median(np.diff([t0] + ends))) if ends else None
     run.state = state
 
     n = run.num_devices
@@ -105,7 +113,7 @@ def main(argv=None) -> int:
                      if run.mesh_shape["stage"] > 1 else None),
         "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(state["params"]))),
         "compile_s": compile_s, "warmup_steps": args.warmup, "timed_steps": args.steps,
-        "step_s": step_s, "tokens_per_s": tps, "tokens_per_s_per_device": tps / n,
+        "step_s": step_s, "step_s_median": step_s_median, "tokens_per_s": tps, "tokens_per_s_per_device": tps / n,
         "final_loss": float(metrics["loss"]),
         "peak_tflops_per_device": run.peak_flops / 1e12 if run.peak_flops else None,
     }
@@ -127,7 +135,8 @@ def main(argv=None) -> int:
               + (f" x {pp['virtual_stages']} virtual" if pp["schedule"] == "circular" else "")
               + f", {out['accumulation_steps']} micro batches, bubble {100 * pp['bubble']:.1f}%")
     print(f"compile      {compile_s:.2f} s")
-    print(f"step         {step_s * 1e3:.2f} ms (mean of {args.steps} after {args.warmup} warmup)")
+    print(f"step         {step_s * 1e3:.2f} ms (mean of {args.steps} after {args.warmup} warmup)"
+          + (f", median {step_s_median * 1e3:.2f} ms" if step_s_median is not None else ""))
     print(f"tokens/s     {tps:,.0f} global, {tps / n:,.0f} per device")
     for conv in ("full", "causal"):
         mfu = out[f"mfu_{conv}"]

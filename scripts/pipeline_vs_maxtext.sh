@@ -6,8 +6,11 @@
 #   MAXTEXT_PYTHON=/path/to/mt-venv/bin/python scripts/pipeline_vs_maxtext.sh [ROUNDS] [jaxtron overrides...]
 #
 # MaxText (>= 0.2.5, Python >= 3.12; see ../shared/notes/maxtext-baseline.md) runs 40 steps with its defaults
-# (bf16 activations, remat_policy=full); its s/step is read from its log timestamps, steps 9 to 39. jaxtron's
-# comes from scripts/bench_train.py (30 timed steps after 3 warmup). Without MAXTEXT_PYTHON only jaxtron runs.
+# (bf16 activations, remat_policy=full); the same work for jaxtron is model.dtype=bfloat16 model.remat=full.
+# Both figures are medians of per-step times: MaxText's from the seconds it logs for steps 10 to 39, jaxtron's
+# from scripts/bench_train.py --sync-each-step (30 timed steps after 3 warmup). jaxtron runs from this checkout
+# under $PYTHON (default: python); PYTHON=$MAXTEXT_PYTHON runs it on MaxText's JAX, so both use the same XLA.
+# Without MAXTEXT_PYTHON only jaxtron runs.
 set -euo pipefail
 ROUNDS=${1:-3}
 shift || true
@@ -20,8 +23,10 @@ MODEL="model.hidden_size=256 model.num_heads=4 model.num_kv_heads=4 model.head_d
 MT_PIPE="ici_pipeline_parallelism=2 ici_fsdp_parallelism=2 ici_tensor_parallelism=2 num_pipeline_microbatches=4"
 
 jaxtron() {  # overrides -> s/step
-  JAX_PLATFORMS=cpu "$PY" "$HERE/scripts/bench_train.py" --cpu-devices 8 --steps 30 --json $MODEL "$@" \
-    | tail -1 | "$PY" -c "import json, sys; print(f\"{json.load(sys.stdin)['step_s']:.3f}\")"
+  JAX_PLATFORMS=cpu PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HERE/scripts/bench_train.py" \
+    --cpu-devices 8 --steps 30 --sync-each-step --json $MODEL "$@" 2> "$OUT/jaxtron.err" \
+    | tail -1 | "$PY" -c "import json, sys; print(f\"{json.load(sys.stdin)['step_s_median']:.3f}\")" \
+    || { cat "$OUT/jaxtron.err" >&2; return 1; }
 }
 
 maxtext() {  # extra MaxText args -> s/step
@@ -32,15 +37,14 @@ maxtext() {  # extra MaxText args -> s/step
     per_device_batch_size=2 max_target_length=128 base_emb_dim=256 base_num_query_heads=4 base_num_kv_heads=4 \
     base_mlp_dim=512 base_num_decoder_layers=4 head_dim=64 vocab_size=1024 attention=dot_product \
     enable_tensorboard=false $MT_PIPE "$@" > "$log" 2>&1
-  "$PY" - "$log" <<'EOF'
-import re, sys
-from datetime import datetime
-t = {}
+  "$MAXTEXT_PYTHON" - "$log" <<'EOF'
+import re, statistics, sys
+s = {}
 for line in open(sys.argv[1]):
-    m = re.search(r"^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*completed step: (\d+),", line)
+    m = re.search(r"completed step: (\d+), seconds: ([\d.]+),", line)
     if m:
-        t[int(m.group(2))] = datetime.strptime(m.group(1), "%H:%M:%S.%f")
-print(f"{(t[39] - t[9]).total_seconds() / 30:.3f}")
+        s[int(m.group(1))] = float(m.group(2))
+print(f"{statistics.median(s[i] for i in range(10, 40)):.3f}")
 EOF
 }
 
