@@ -10,7 +10,7 @@
 # Both figures are medians of per-step times: MaxText's from the seconds it logs for steps 10 to 39, jaxtron's
 # from scripts/bench_train.py --sync-each-step (30 timed steps after 3 warmup). jaxtron runs from this checkout
 # under $PYTHON (default: python); PYTHON=$MAXTEXT_PYTHON runs it on MaxText's JAX, so both use the same XLA.
-# Without MAXTEXT_PYTHON only jaxtron runs.
+# Without MAXTEXT_PYTHON only jaxtron runs. SCHEDULES picks a subset (default: "gpipe circular 1f1b").
 set -euo pipefail
 ROUNDS=${1:-3}
 shift || true
@@ -48,12 +48,20 @@ print(f"{statistics.median(s[i] for i in range(10, 40)):.3f}")
 EOF
 }
 
+SCHEDULES=${SCHEDULES:-gpipe circular 1f1b}
+has() { [[ " $SCHEDULES " == *" $1 "* ]]; }
 for r in $(seq "$ROUNDS"); do
   echo "round $r ($(date +%T))"
-  [ -n "${MAXTEXT_PYTHON:-}" ] && echo "  maxtext  gpipe     $(maxtext num_layers_per_pipeline_stage=2 scan_layers=false)"
-  echo "  jaxtron  gpipe     $(jaxtron parallel.pipeline_schedule=gpipe "$@")"
-  [ -n "${MAXTEXT_PYTHON:-}" ] && echo "  maxtext  circular  $(maxtext num_layers_per_pipeline_stage=1 scan_layers=true)"
-  echo "  jaxtron  circular  $(jaxtron parallel.pipeline_schedule=circular parallel.virtual_stages=2 "$@")"
-  echo "  jaxtron  1f1b      $(jaxtron parallel.pipeline_schedule=1f1b "$@")"
+  if has gpipe; then
+    [ -n "${MAXTEXT_PYTHON:-}" ] && echo "  maxtext  gpipe     $(maxtext num_layers_per_pipeline_stage=2 scan_layers=false)"
+    echo "  jaxtron  gpipe     $(jaxtron parallel.pipeline_schedule=gpipe "$@")"
+  fi
+  if has circular; then
+    [ -n "${MAXTEXT_PYTHON:-}" ] && echo "  maxtext  circular  $(maxtext num_layers_per_pipeline_stage=1 scan_layers=true)"
+    echo "  jaxtron  circular  $(jaxtron parallel.pipeline_schedule=circular parallel.virtual_stages=2 "$@")"
+  fi
+  if has 1f1b; then
+    echo "  jaxtron  1f1b      $(jaxtron parallel.pipeline_schedule=1f1b "$@")"
+  fi
 done
 rm -rf "$OUT"
