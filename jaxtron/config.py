@@ -68,8 +68,11 @@ class ModelConfig:
     rope_impl: str = _f("xla", "Rotary embedding: 'xla' or 'pallas' (fused q/k kernel; interpret mode on CPU).")
     mlp_impl: str = _f("xla", "SwiGLU activation: 'xla' or 'pallas' (fused kernel; interpret mode on CPU).")
     remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
+    scan_unroll: int = _f(1, "Decoder blocks per iteration of the layer scan (1: rolled). Unrolling lets XLA fuse "
+                             "across blocks and, inside a pipeline tick's checkpoint, merge the blocks' own "
+                             "recomputation with the tick's; compile time grows with it.")
     dtype: str = _f("auto", "Compute dtype for matmuls and activations; 'auto': bfloat16 on GPU/TPU, float32 on "
-                            "CPU (where bf16 matmuls are emulated and slower).")
+                            "CPU (where bf16 elementwise ops are emulated and slower).")
     param_dtype: str = _f("float32", "Master weight dtype (optimizer state follows it).")
 
 
@@ -396,6 +399,7 @@ def validate(cfg: Config) -> Config:
     for name in ("rope_impl", "mlp_impl"):
         _check(getattr(m, name) in KERNEL_IMPLS, f"model.{name}", f"{getattr(m, name)!r} is not one of {KERNEL_IMPLS}")
     _check(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")
+    _check(m.scan_unroll >= 1, "model.scan_unroll", f"must be >= 1, got {m.scan_unroll}")
     _check(m.dtype in DTYPES + ("auto",), "model.dtype", f"{m.dtype!r} is not one of {DTYPES + ('auto',)}")
     _check(m.param_dtype in DTYPES, "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES}")
     _check(m.rope_scaling.type in ("none", "llama3"), "model.rope_scaling.type",

@@ -55,6 +55,7 @@ BAD = [
     (["optim.lr=-1"], "optim.lr"),
     (["optim.schedule=step"], "optim.schedule"),
     (["model.remat=some"], "model.remat"),
+    (["model.scan_unroll=0"], "model.scan_unroll"),
     (["data.seq_len=0"], "data.seq_len"),
     (["model.attention_impl=cudnn"], "model.attention_impl"),
     (["parallel.data=2", "parallel.fsdp=-1", "parallel.tensor=-1"], "parallel"),

@@ -24,6 +24,7 @@ S4_F2 = ("parallel.stage=4", "parallel.fsdp=2", "parallel.data=1")
 S2_F2_T2 = ("parallel.stage=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1")
 S8 = ("parallel.stage=8", "parallel.data=1")
 S2_F2_T2_ONCE = S2_F2_T2 + ("parallel.pipeline_fsdp_gather_once=true",)  # weights gathered once per step
+S2_F2_T2_UNROLLED = S2_F2_T2 + ("model.remat=full", "model.scan_unroll=2")  # a stage's 4 layers, 2 per iteration
 
 # (schedule, layout, virtual stages, layers, micro batches)
 CASES = [
@@ -32,6 +33,7 @@ CASES = [
     ("1f1b", S2_F2_T2, 1, 8, 4), ("gpipe", S2_F2_T2, 1, 8, 4), ("circular", S2_F2_T2, 2, 8, 4),
     ("1f1b", S8, 1, 8, 4), ("gpipe", S8, 1, 8, 4), ("circular", S8, 2, 16, 8),
     ("1f1b", S2_F2_T2_ONCE, 1, 8, 4), ("circular", S2_F2_T2_ONCE, 2, 8, 4),
+    ("gpipe", S2_F2_T2_UNROLLED, 1, 8, 4),
 ]
 
 

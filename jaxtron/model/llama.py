@@ -96,7 +96,8 @@ class Llama(nnx.Module):
         return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
-        """The stacked decoder blocks (however many ``self.layers`` holds), scanned, with the remat policy."""
+        """The stacked decoder blocks (however many ``self.layers`` holds), scanned (``scan_unroll`` blocks per
+        iteration), with the remat policy."""
         inv_freq = rope_frequencies(self.cfg)
         if self.cfg.rope_impl == "xla":  # the cos/sin tables once for all the layers
             rope = Rope(positions, inv_freq, *rope_tables(positions, inv_freq))
@@ -110,7 +111,7 @@ class Llama(nnx.Module):
 
         if self.cfg.remat != "none":
             block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(block, x, state)
+        x, _ = jax.lax.scan(block, x, state, unroll=self.cfg.scan_unroll)
         return x
 
     def logits(self, x: jax.Array) -> jax.Array:
