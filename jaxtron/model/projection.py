@@ -48,19 +48,26 @@ def _cotangent(dy: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return dy
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _cpu_project(spec: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
-    return _cpu_einsum(spec, x, w, out_dtype)
+def _cpu_matmul(grads):
+    """A ``custom_vjp`` matmul ``(spec, a, b, out_dtype)`` computed by ``_cpu_einsum``, whose backward is
+    ``grads(spec, a, b, dy) -> (da, db)`` with ``dy`` already in the inputs' dtype (``_cotangent``)."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+    def matmul(spec, a, b, out_dtype):
+        return _cpu_einsum(spec, a, b, out_dtype)
+
+    def fwd(spec, a, b, out_dtype):
+        return _cpu_einsum(spec, a, b, out_dtype), (a, b)
+
+    def bwd(spec, out_dtype, res, dy):
+        a, b = res
+        return grads(spec, a, b, _cotangent(dy, a, b))
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
 
 
-def _project_fwd(spec, x, w, out_dtype):
-    return _cpu_project(spec, x, w, out_dtype), (x, w)
-
-
-def _project_bwd(spec, out_dtype, res, dy):
-    x, w = res
+def _project_grads(spec, x, w, dy):
     xs, ws, ys = _parse(spec)
-    dy = _cotangent(dy, x, w)
     dx = _cpu_einsum(f"{ys},{ws}->{xs}", dy, w, x.dtype)
     # Axes of x that the weight lacks (batch, sequence) go last: the contraction runs over x's minor axes.
     xt_spec = "".join(a for a in xs if a in ws) + "".join(a for a in xs if a not in ws)
@@ -71,26 +78,13 @@ def _project_bwd(spec, out_dtype, res, dy):
     return dx, dw
 
 
-_cpu_project.defvjp(_project_fwd, _project_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _cpu_contract(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
-    return _cpu_einsum(spec, a, b, out_dtype)
-
-
-def _contract_fwd(spec, a, b, out_dtype):
-    return _cpu_contract(spec, a, b, out_dtype), (a, b)
-
-
-def _contract_bwd(spec, out_dtype, res, dy):
-    a, b = res
+def _contract_grads(spec, a, b, dy):
     as_, bs, ys = _parse(spec)
-    dy = _cotangent(dy, a, b)
-    return (_cpu_einsum(f"{ys},{bs}->{as_}", dy, b, a.dtype), _cpu_einsum(f"{as_},{ys}->{bs}", a, dy, b.dtype))
+    return _cpu_einsum(f"{ys},{bs}->{as_}", dy, b, a.dtype), _cpu_einsum(f"{as_},{ys}->{bs}", a, dy, b.dtype)
 
 
-_cpu_contract.defvjp(_contract_fwd, _contract_bwd)
+_cpu_project = _cpu_matmul(_project_grads)
+_cpu_contract = _cpu_matmul(_contract_grads)
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
