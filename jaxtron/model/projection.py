@@ -3,9 +3,10 @@ and ``contract(spec, a, b)`` (activations with activations: attention scores and
 
 On GPUs and TPUs both are ``jnp.einsum``. On CPUs they are ``custom_vjp``s shaped for XLA:CPU:
 
-- Every matmul accumulates in fp32 and rounds its result afterwards. XLA:CPU runs a bf16 x bf16 matmul on
-  its native kernel (AVX512-BF16) only when the result is fp32; asked for a bf16 result it converts both
-  operands to fp32 first and takes the fp32 kernel, about twice as slow.
+- Every matmul accumulates in fp32 and rounds its result afterwards. JAX 0.10's XLA:CPU runs a bf16 x bf16
+  matmul on its native kernel (AVX512-BF16) only when the result is fp32; asked for a bf16 result it converts
+  both operands to fp32 first and takes the fp32 kernel, about twice as slow (``scripts/bench_cpu_matmul.py``;
+  JAX 0.12 runs both natively, at the same speed).
 - In the backward of bf16 inputs, an fp32 cotangent (the LM head's, whose logits are fp32 for the loss, and
   attention's, whose softmax is fp32) is rounded to bf16 before its two matmuls, as Megatron and MaxText do
   (their bf16 logits and scores get bf16 cotangents) and as flash attention does with dS. A mixed fp32 x bf16
