@@ -54,8 +54,9 @@ Design (Triton backend, `_triton_*`):
         its GQA group (q / dO / lse / delta blocks cover the group's heads) and over the visible q blocks, so the
         group sum happens in registers and dk/dv are written once, in the input dtype.
       - dq: grid (q_blocks, batch, heads); loop over visible kv blocks (same bounds as the forward).
-  * `backend` dispatches through _IMPLS; only "triton" exists. A Mosaic GPU variant would add its own
-    (`_mosaic_fwd`, `_mosaic_bwd`) pair there with the same signatures.
+  * `backend` dispatches through _IMPLS (forward, backward). backend="mosaic" runs the Mosaic GPU forward of
+    `flash_attention_mosaic` (Hopper: TMA, wgmma, warp specialization; plain causal or full attention, 16-bit
+    inputs, head_dim 64 or 128) with this module's Triton backward.
   * On CPU the kernels run in Pallas interpret mode (interpret=None selects it automatically).
 """
 
@@ -72,6 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ._common import cdiv, check_backend, is_pow2, next_pow2, resolve_interpret
+from .flash_attention_mosaic import check_mosaic, mosaic_forward
 
 __all__ = ["flash_attention", "flash_attention_reference"]
 
@@ -519,7 +521,17 @@ def _triton_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
     return dq, dk, dv
 
 
-_IMPLS = {"triton": (_triton_fwd, _triton_bwd)}
+def _mosaic_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
+    """The Mosaic GPU forward (`flash_attention_mosaic`), same operands and results as `_triton_fwd`."""
+    assert seg is None and cfg.window is None     # refused in flash_attention()
+    return mosaic_forward(q, k, v, sc, causal=cfg.causal, seq_len=cfg.seq_len, block_q=cfg.block_q,
+                          block_kv=cfg.block_k, max_steps=cfg.num_stages, out_dtype=out_dtype, residual=residual,
+                          interpret=cfg.interpret)
+
+
+# backend -> (forward, backward). "mosaic" pairs the Mosaic GPU forward with the Triton backward: both use the
+# same residuals (log2-domain log-sum-exp, O / s_v in fp16).
+_IMPLS = {"triton": (_triton_fwd, _triton_bwd), "mosaic": (_mosaic_fwd, _triton_bwd)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -653,27 +665,53 @@ def _validate(q, k, v, segment_ids, softmax_scale, sliding_window, blocks):
             _check_block(value, name)
 
 
+# Forward launch defaults per backend: (block_q, block_k, num_stages). Triton: scripts/bench_kernels.py --sweep on
+# an H100 (Llama-3-8B shapes, seq 4096). Mosaic: block_q rows per compute warpgroup (two per CTA), 128-key
+# blocks double-buffered (FlashAttention-3's head_dim-128 tile; three stages exceed shared memory there).
+_FWD_DEFAULTS = {"triton": (64, 64, 3), "mosaic": (64, 128, 2)}
+
+
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale=None, sliding_window=None,
-                    block_q: int = 64, block_k: int = 64, block_q_bwd: int | None = None,
-                    block_k_bwd: int | None = None, num_warps: int | None = None, num_stages: int = 3,
+                    block_q: int | None = None, block_k: int | None = None, block_q_bwd: int | None = None,
+                    block_k_bwd: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
                     interpret: bool | None = None, backend: str = "triton"):
     """Fused attention; q [b, s, h, d], k/v [b, s, kv_h, d] -> [b, s, h, d] in q.dtype. Differentiable in q, k, v.
 
-    Block sizes are powers of two >= 16 (clamped down to the padded seq length); *_bwd default to the forward ones.
-    num_warps=None -> 4. num_warps_bwd / num_stages_bwd (the backward kernels' Triton launch settings) default
-    to num_warps / 2. Defaults from scripts/bench_kernels.py --sweep on an H100 (Llama-3-8B shapes, seq 4096). interpret=None -> interpret mode on the CPU backend.
+    backend: "triton" (every feature, any dtype) or "mosaic" (Mosaic GPU forward for Hopper, Triton backward;
+    no segment_ids / sliding_window, bf16 or fp16, head_dim 64 or 128: anything else raises ValueError).
+    Block sizes are powers of two >= 16; None -> 64 / 64 (triton) or 64 / 128 (mosaic, multiples of 64; its
+    block_q is per compute warpgroup, two per CTA). Triton blocks are clamped down to the padded seq length.
+    block_*_bwd (the Triton backward's) default to the forward ones (triton) or 64 (mosaic). num_stages: Triton pipelining stages, or the Mosaic
+    forward's K/V shared-memory slots; None -> 3 (triton) or 2 (mosaic). num_warps=None -> 4.
+    num_warps_bwd / num_stages_bwd (the backward kernels' Triton launch settings) default to num_warps / 2.
+    interpret=None -> interpret mode on the CPU backend (Mosaic GPU's interpreter needs jax >= 0.11).
     See the module docstring for masking semantics.
     """
     check_backend(backend, _IMPLS, "flash_attention")
     _validate(q, k, v, segment_ids, softmax_scale, sliding_window,
               {"block_q": block_q, "block_k": block_k, "block_q_bwd": block_q_bwd, "block_k_bwd": block_k_bwd})
+    if num_stages is not None and (not isinstance(num_stages, int) or isinstance(num_stages, bool)
+                                   or num_stages < 1):
+        raise ValueError(f"num_stages must be a positive int or None, got {num_stages!r}")
     b, s, h, d = q.shape
+    dq_, dk_, dst = _FWD_DEFAULTS[backend]
+    block_q = dq_ if block_q is None else block_q
+    block_k = dk_ if block_k is None else block_k
+    num_stages = dst if num_stages is None else num_stages
+    interpret = resolve_interpret(interpret)
     cap = max(_MIN_BLOCK, next_pow2(s))
-    bq, bk = min(block_q, cap), min(block_k, cap)
-    bqb = min(block_q_bwd or block_q, cap)
-    bkb = min(block_k_bwd or block_k, cap)
-    multiple = max(bq, bk, bqb, bkb)
+    fwd_q, fwd_k = (64, 64) if backend == "mosaic" else (block_q, block_k)   # the Triton backward's defaults
+    bqb = min(block_q_bwd or fwd_q, cap)
+    bkb = min(block_k_bwd or fwd_k, cap)
+    if backend == "mosaic":
+        check_mosaic(head_dim=d, dtype=q.dtype, segment_ids=segment_ids, sliding_window=sliding_window,
+                     block_q=block_q, block_kv=block_k, max_steps=num_stages, interpret=interpret)
+        bq, bk = block_q, block_k                   # not clamped: a CTA covers 2 * block_q rows
+        multiple = max(2 * bq, bk, bqb, bkb)
+    else:
+        bq, bk = min(block_q, cap), min(block_k, cap)
+        multiple = max(bq, bk, bqb, bkb)
     sp = cdiv(s, multiple) * multiple
     warps = num_warps if num_warps is not None else 4
     cfg = _Config(
@@ -683,7 +721,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
         num_warps=warps, num_stages=num_stages,
         num_warps_bwd=num_warps_bwd if num_warps_bwd is not None else warps,
         num_stages_bwd=num_stages_bwd if num_stages_bwd is not None else 2,
-        interpret=resolve_interpret(interpret),
+        interpret=interpret,
     )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     if sp != s:

@@ -28,7 +28,8 @@ def _compile(fn, *specs):
     with gpu_target(specs[0].sharding.device_set.pop().device_kind):   # jax >= 0.11 needs the target named
         compiled = jax.jit(fn).trace(*specs).lower().compile()
     return {"seconds": time.perf_counter() - t0, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-            "triton_calls": compiled.as_text().count("__gpu$xla.gpu.triton")}
+            "triton_calls": compiled.as_text().count("__gpu$xla.gpu.triton"),
+            "mosaic_calls": compiled.as_text().count("custom_call_target=\"mosaic_gpu")}
 
 
 def main() -> dict:
@@ -49,6 +50,11 @@ def main() -> dict:
         f = lambda q, k, v: flash_attention(q, k, v, interpret=False).astype(jnp.float32).sum()
         return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
     out["flash_attention_causal"] = _compile(attn_causal, q, k, k)
+
+    def attn_mosaic(q, k, v):   # the Mosaic GPU forward with the Triton backward
+        f = lambda q, k, v: flash_attention(q, k, v, backend="mosaic", interpret=False).astype(jnp.float32).sum()
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+    out["flash_attention_mosaic"] = _compile(attn_mosaic, q, k, k)
 
     pos, inv = spec((b, s), jnp.int32), spec((d // 2,), jnp.float32)
 

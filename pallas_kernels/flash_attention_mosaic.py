@@ -1,0 +1,316 @@
+"""Flash attention forward as a Mosaic GPU (Hopper, sm_90a) kernel: TMA loads, wgmma, warp specialization.
+
+This is the `backend="mosaic"` forward of `pallas_kernels.flash_attention`; the backward stays the Triton one
+(both share the residual format: log-sum-exp in the log2 domain [batch, heads, seq] and O / s_v in fp16).
+It takes the same compute operands as the Triton forward: q, k, v in fp16, already divided by their power-of-two
+scales (see flash_attention's docstring), and the per-(batch, head) logit multiplier and s_v.
+
+Design (FlashAttention-3's forward structure, written for Pallas' Mosaic GPU dialect):
+  * One CTA per (head, 2 * block_q query rows, batch) with three warpgroups: two compute warpgroups own block_q
+    rows each; the third issues TMA copies of K/V blocks into `max_steps` shared-memory slots and refills a slot
+    once both compute warpgroups have released it (`k_free` / `v_free` barriers, two arrivals each).
+  * Compute warpgroups: S = Q K^T by wgmma from shared memory into a register accumulator; online softmax in the
+    log2 domain (exp2(s * c - m), c = softmax_scale * log2(e) * s_q * s_k); O += P V by wgmma with P (fp16) in
+    registers and O carried as the accumulator (`pl.run_state`). The two warpgroups ping-pong on a shared
+    barrier so that one's softmax overlaps the other's matmuls.
+  * Causal: a warpgroup visits only the kv blocks up to its diagonal; blocks entirely below the diagonal run
+    without building the mask. CTAs are launched heaviest (last query tile) first. The warpgroup with fewer
+    blocks still releases the slots it skips so the producer never waits forever.
+  * Padding: the wrapper pads seq to a multiple of lcm(2 * block_q, block_kv). Padded keys are masked by
+    position in the one block that holds them (non-causal); under causal masking they are never visible to a
+    real query. Padded query rows are computed and dropped.
+  * GQA: the CTA for query head h loads kv head h // group; K/V are never repeated in memory.
+
+Not in this backend (the wrapper refuses them with a clear error; the Triton backend has them): segment ids,
+sliding windows, fp32 inputs (wgmma has no IEEE fp32 mode), head_dim other than 64 or 128.
+
+Interpret mode: Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`, JAX >= 0.11) has no `run_state` and
+no register operand for wgmma, so with interpret=True P goes through a shared-memory buffer and P V lands in
+a fresh accumulator that is added to O; everything else (barriers, TMA slots, masks, softmax) is the same code.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ._common import cdiv
+
+__all__ = ["mosaic_forward", "check_mosaic", "MOSAIC_HEAD_DIMS", "mosaic_interpret_params"]
+
+COMPUTE_WGS = 2
+MOSAIC_HEAD_DIMS = (64, 128)
+_SMEM_BYTES = 227 * 1024       # H100 shared memory per CTA
+_NEG = -1e30                    # masked logit (finite: a masked row never makes inf - inf)
+_RCP_LN2 = 1.0 / math.log(2.0)
+
+
+def mosaic_interpret_params():
+    """Mosaic GPU interpret-mode parameters, or a clear error where this JAX has no public GPU interpreter."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        raise NotImplementedError(
+            f"flash_attention(backend='mosaic', interpret=True) needs Mosaic GPU's interpreter "
+            f"(jax >= 0.11; this is jax {jax.__version__}); use backend='triton' on CPU")
+    return params()
+
+
+def smem_bytes(head_dim: int, block_q: int, block_kv: int, max_steps: int, out_itemsize: int,
+               interpret: bool) -> int:
+    """Shared memory one CTA allocates (q, out, K/V slots, statistics; P only in interpret mode)."""
+    q = COMPUTE_WGS * block_q * head_dim * 2
+    out = COMPUTE_WGS * block_q * head_dim * out_itemsize
+    kv = 2 * max_steps * block_kv * head_dim * 2
+    stats = COMPUTE_WGS * 3 * block_q * 4
+    p = COMPUTE_WGS * block_q * block_kv * 2 if interpret else 0
+    return q + out + kv + stats + p
+
+
+def check_mosaic(*, head_dim: int, dtype, segment_ids, sliding_window, block_q: int, block_kv: int,
+                 max_steps: int, interpret: bool) -> None:
+    """Raise ValueError naming the argument the Mosaic GPU forward cannot take."""
+    if segment_ids is not None:
+        raise ValueError("flash_attention(backend='mosaic') has no segment_ids (packed documents); "
+                         "use backend='triton'")
+    if sliding_window is not None:
+        raise ValueError("flash_attention(backend='mosaic') has no sliding_window; use backend='triton'")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"flash_attention(backend='mosaic') takes bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
+                         " (wgmma has no IEEE fp32); use backend='triton' for float32")
+    if head_dim not in MOSAIC_HEAD_DIMS:
+        raise ValueError(f"flash_attention(backend='mosaic') supports head_dim {MOSAIC_HEAD_DIMS}, got {head_dim}")
+    for name, value in (("block_q", block_q), ("block_k", block_kv)):
+        if value % 64:
+            raise ValueError(f"flash_attention(backend='mosaic'): {name} must be a multiple of 64, got {value}")
+    if block_kv < block_q:
+        raise ValueError(f"flash_attention(backend='mosaic'): block_k ({block_kv}) must be >= block_q ({block_q})")
+    if not isinstance(max_steps, int) or max_steps < 2:
+        raise ValueError(f"flash_attention(backend='mosaic'): max_steps must be an int >= 2, got {max_steps!r}")
+    need = smem_bytes(head_dim, block_q, block_kv, max_steps, jnp.dtype(dtype).itemsize, interpret)
+    if need > _SMEM_BYTES:
+        raise ValueError(f"flash_attention(backend='mosaic'): block_q={block_q}, block_k={block_kv}, "
+                         f"max_steps={max_steps} at head_dim {head_dim} need {need} bytes of shared memory "
+                         f"(H100: {_SMEM_BYTES}); lower block_k or max_steps")
+
+
+def _row(x, n):
+    """[rows] statistics broadcast over a [rows, n] tile."""
+    return lax.broadcast_in_dim(x, (x.shape[0], n), [0])
+
+
+def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, block_kv: int, max_steps: int,
+                   out_dtype, residual: bool, interpret: bool):
+    """q [b, sp, h, d], k/v [b, sp, kv_h, d] fp16 (scaled operands), sc [b, kv_h, 2] fp32 (logit multiplier in the
+    log2 domain, s_v) -> (out [b, sp, h, d] out_dtype, lse [b, h, sp] fp32 log2 domain[, O / s_v fp16]).
+
+    sp must be a multiple of 2 * block_q and of block_kv; seq_len (static) is the real length."""
+    b, sp, h, d = q.shape
+    kvh = k.shape[2]
+    group = h // kvh
+    bq, bkv, n_steps = block_q, block_kv, max_steps
+    assert sp % (COMPUTE_WGS * bq) == 0 and sp % bkv == 0, (sp, bq, bkv)
+    n_q_tiles = sp // (COMPUTE_WGS * bq)
+    real_blocks = cdiv(seq_len, bkv)                 # kv blocks holding at least one real key
+    ragged_last = seq_len % bkv != 0                 # the last of them also holds padded keys
+    cdt = q.dtype
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    # Per-(batch, head) scalars as rows a TMA copy can bring in: [b, h, 2, block_q] fp32 (c, s_v).
+    sc_rows = jnp.broadcast_to(jnp.repeat(sc, group, axis=1)[..., None], (b, h, 2, bq)).astype(jnp.float32)
+
+    def kernel(q_ref, k_ref, v_ref, sc_ref, out_ref, lse_ref, *rest):
+        ores_ref = rest[0] if residual else None
+        scratch = rest[-1]
+        (q_smem2, o_smem2, k_smem, v_smem, sc_smem2, lse_smem2, p_smem2), bars, (k_free, v_free), sched = scratch
+        k_bar, v_bar, q_bar, sc_bar = bars
+        batch = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta_base = (n_q_tiles - 1 - lax.axis_index("q_seq")) * (COMPUTE_WGS * bq)   # heaviest tiles first
+
+        def visible_blocks(q_end):
+            """kv blocks a query range ending (exclusive) at q_end visits (a Python int without causal masking)."""
+            if not causal:
+                return real_blocks
+            return jnp.minimum(lax.div(q_end + (bkv - 1), jnp.int32(bkv)), jnp.int32(real_blocks))
+
+        cta_steps = visible_blocks(cta_base + COMPUTE_WGS * bq)
+
+        def rendezvous():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, o_smem, sc_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], sc_smem2.at[wg], lse_smem2.at[wg]
+            p_smem = p_smem2.at[wg] if interpret else None
+            q_base = cta_base + wg * bq
+            steps = visible_blocks(q_base + bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], q_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(sc_ref.at[batch, head], sc_smem, sc_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(sc_bar.at[wg])
+            c = plgpu.load(sc_smem.at[0], (), layout=row_layout)
+            s_v = plgpu.load(sc_smem.at[1], (), layout=row_layout)
+            m0 = plgpu.layout_cast(jnp.full((bq,), _NEG, jnp.float32), row_layout)
+            l0 = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
+            acc0 = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            plgpu.barrier_wait(k_bar.at[0])                 # every warpgroup visits at least one block
+            pl.when(wg == 1)(rendezvous)                    # offsets the two warpgroups by half a step
+
+            def step(j, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(j, jnp.int32(n_steps))
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    rendezvous()                            # the other warpgroup's softmax runs meanwhile
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    kv_pos = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    if causal:
+                        q_pos = q_base + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+                        vis = q_pos >= kv_pos
+                    else:
+                        vis = kv_pos < seq_len
+                    s = jnp.where(vis, s, _NEG)
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s * _row(c, bkv) - _row(m_new, bkv))
+                acc = acc * _row(alpha, d)
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(cdt)
+                plgpu.barrier_arrive(sched)                 # softmax done
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)                   # the other warpgroup's matmuls are issued
+
+                def wait_next_k():
+                    nxt = j + 1
+
+                    @pl.when(nxt < steps)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(n_steps))])
+
+                if interpret:                               # see the module docstring
+                    p_smem[...] = p16
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                        wait_next_k()
+                        return acc_ref[...]
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
+                else:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        wait_next_k()
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            carry = (acc0, m0, l0)
+            if causal:
+                # Blocks strictly below the diagonal need no mask (padded keys only sit in diagonal blocks).
+                full = jnp.minimum(lax.div(q_base, jnp.int32(bkv)), steps)
+                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+                acc, m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            else:
+                full = real_blocks - 1 if ragged_last else real_blocks
+                acc, m, l = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+                if ragged_last:
+                    acc, m, l = step(jnp.int32(full), (acc, m, l), masked=True)
+
+            def release(j, _):                              # blocks only the other warpgroup needs
+                slot = lax.rem(j, jnp.int32(n_steps))
+                plgpu.barrier_wait(k_bar.at[slot])          # keeps this warpgroup's barrier phases in step
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                rendezvous()
+                rendezvous()
+            if causal:
+                lax.fori_loop(steps, cta_steps, release, None)
+            pl.when(wg == 0)(rendezvous)
+
+            inv_l = 1.0 / l
+            o = acc * _row(inv_l, d)                        # in units of s_v
+            o_smem[...] = (o * _row(s_v, d)).astype(out_dtype)
+            if residual:
+                q_smem[...] = o.astype(cdt)                 # the matmuls reading q are done
+            lse_smem[...] = m + jnp.log(l) * _RCP_LN2
+            plgpu.commit_smem()
+            rows = (batch, pl.ds(q_base, bq), head)
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows])
+            if residual:
+                plgpu.copy_smem_to_gmem(q_smem, ores_ref.at[rows])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.int32(group))
+
+            def load(j, slot):
+                blk = (batch, pl.ds(j * bkv, bkv), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+
+            for i in range(n_steps):
+                if causal:
+                    pl.when(i < cta_steps)(functools.partial(load, jnp.int32(i), i))
+                elif i < cta_steps:
+                    load(jnp.int32(i), i)
+
+            def refill(j, _):
+                slot = lax.rem(j, jnp.int32(n_steps))
+                plgpu.barrier_wait(k_free.at[slot])        # both warpgroups are done with block j - n_steps
+                plgpu.barrier_wait(v_free.at[slot])
+                load(j, slot)
+            lax.fori_loop(jnp.int32(n_steps), cta_steps, refill, None)
+
+            def drain(j, _):                                # the last blocks' releases (barrier phase hygiene)
+                slot = lax.rem(j, jnp.int32(n_steps))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+            lax.fori_loop(jnp.maximum(cta_steps - n_steps, 0), cta_steps, drain, None)
+
+    def entry(q_ref, k_ref, v_ref, sc_ref, *outs):
+        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, bq, d), cdt, transforms=tiled),
+            plgpu.SMEM((COMPUTE_WGS, bq, d), out_dtype, transforms=tiled),
+            plgpu.SMEM((n_steps, bkv, d), cdt, transforms=tiled),
+            plgpu.SMEM((n_steps, bkv, d), cdt, transforms=tiled),
+            plgpu.SMEM((COMPUTE_WGS, 2, bq), jnp.float32),
+            plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
+            plgpu.SMEM((COMPUTE_WGS, bq, bkv), cdt, transforms=tiled) if interpret else None,
+        )
+        bars = (plgpu.Barrier(num_barriers=n_steps), plgpu.Barrier(num_barriers=n_steps),
+                plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=COMPUTE_WGS))
+        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=n_steps),) * 2
+        pl.run_scoped(lambda *scr: kernel(q_ref, k_ref, v_ref, sc_ref, *outs, scr),
+                      smem, bars, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), collective_axes="wg")
+
+    out_type = [jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((b, h, sp), jnp.float32)]
+    if residual:
+        out_type.append(jax.ShapeDtypeStruct(q.shape, cdt))
+    extra = {"interpret": mosaic_interpret_params()} if interpret else {}
+    outs = plgpu.kernel(
+        entry,
+        out_type=tuple(out_type),
+        grid=(h, n_q_tiles, b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **extra,
+    )(q, k, v, sc_rows)
+    return tuple(outs)
