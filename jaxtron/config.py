@@ -63,8 +63,10 @@ class ModelConfig:
     tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
     qkv_bias: bool = _f(False, "Bias on the Q/K/V projections (Qwen2).")
     initializer_range: float = _f(0.02, "Std of the normal init; output projections use std/sqrt(2*num_layers).")
-    attention_impl: str = _f("xla", "Attention: 'xla' (reference, any device), 'cudnn' (GPU) or 'pallas' (jaxtron's "
-                                    "flash attention; GPU, or interpret mode on CPU: exact but slow).")
+    attention_impl: str = _f("xla", "Attention: 'xla' (reference, any device), 'cudnn' (GPU), 'pallas' (jaxtron's "
+                                    "flash attention; GPU, or interpret mode on CPU: exact but slow) or 'mosaic' "
+                                    "(its Mosaic GPU forward for Hopper + Triton backward; bf16/fp16, head_dim "
+                                    "64 or 128, no packed documents; on CPU interpreted with jax >= 0.11).")
     rope_impl: str = _f("xla", "Rotary embedding: 'xla' or 'pallas' (fused q/k kernel; interpret mode on CPU).")
     mlp_impl: str = _f("xla", "SwiGLU activation: 'xla' or 'pallas' (fused kernel; interpret mode on CPU).")
     remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
@@ -350,7 +352,7 @@ def reference_markdown() -> str:
 
 # -------------------------------------------------------------------------------------------- validation
 
-ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
+ATTENTION_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
 KERNEL_IMPLS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -396,6 +398,16 @@ def validate(cfg: Config) -> Config:
            f"model.num_heads={m.num_heads} is not divisible by num_kv_heads={m.num_kv_heads}")
     _check(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
            f"{m.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+    if m.attention_impl == "mosaic":
+        from pallas_kernels.flash_attention_mosaic import MOSAIC_HEAD_DIMS
+
+        _check(not d.reset_at_eod, "model.attention_impl",
+               "'mosaic' has no packed documents (segment ids), which data.reset_at_eod=true needs; "
+               "use 'pallas' or set data.reset_at_eod=false")
+        _check(head_dim(m) in MOSAIC_HEAD_DIMS, "model.attention_impl",
+               f"'mosaic' supports head_dim {MOSAIC_HEAD_DIMS}, the model has {head_dim(m)}; use 'pallas'")
+        _check(m.dtype != "float32", "model.attention_impl",
+               "'mosaic' computes in bf16/fp16 (wgmma has no IEEE fp32); model.dtype=float32 needs 'pallas'")
     for name in ("rope_impl", "mlp_impl"):
         _check(getattr(m, name) in KERNEL_IMPLS, f"model.{name}", f"{getattr(m, name)!r} is not one of {KERNEL_IMPLS}")
     _check(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")
@@ -545,6 +557,19 @@ def validate_for_devices(cfg: Config, num_devices: int, platform: Optional[str] 
         for name in ("attention_impl", "rope_impl", "mlp_impl"):
             _check(getattr(cfg.model, name) != "pallas" or platform in ("gpu", "cuda", "cpu"), f"model.{name}",
                    f"'pallas' kernels are Triton (NVIDIA GPU; interpret mode on CPU), not {platform!r}")
+    if platform is not None and cfg.model.attention_impl == "mosaic":
+        _check(platform in ("gpu", "cuda", "cpu"), "model.attention_impl",
+               f"'mosaic' is a Mosaic GPU kernel (NVIDIA Hopper; interpret mode on CPU), not {platform!r}")
+        if platform == "cpu":
+            import jax
+            from jax.experimental.pallas import mosaic_gpu as plgpu
+
+            _check(hasattr(plgpu, "InterpretGPUParams"), "model.attention_impl",
+                   f"'mosaic' on CPU runs in Mosaic GPU's interpreter, which jax {jax.__version__} lacks "
+                   "(jax >= 0.11); use 'pallas'")
+        _check(compute_dtype(cfg.model) != "float32", "model.dtype",
+               "float32 compute (model.dtype=auto on CPU) cannot use attention_impl='mosaic'; "
+               "set model.dtype=bfloat16")
     sizes = resolve_mesh_shape(cfg.parallel, num_devices)
     t, m = cfg.train, cfg.model
     _check_batch(t, sizes["data"] * sizes["fsdp"])

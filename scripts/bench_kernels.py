@@ -8,6 +8,8 @@ Shapes: heads 32, kv heads 8, head_dim 128, bf16; MLP width 14336. Each case is 
 forward+backward (gradient of the sum w.r.t. every input) after a warm-up; the median of ``--iters`` runs.
 Attention TFLOP/s count the causal half of the score matrix: 4 * b * s^2/2 * heads * head_dim forward
 (two matmuls), 3.5x that for forward+backward (the backward has five), as FlashAttention's papers count.
+``--impls``: pallas (the Triton kernels), mosaic (flash_attention(backend="mosaic"): the Mosaic GPU forward for
+Hopper with the Triton backward; it has no packed documents), xla (the jnp reference), cudnn.
 ``--packed`` also runs each attention with 4 packed documents per row (segment ids; cuDNN gets the
 equivalent dense mask, which is what jaxtron's 'cudnn' attention does). ``--check`` compares the compiled
 kernels' outputs and gradients on random inputs (relative Frobenius error) with the reference run on the same
@@ -35,8 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true")
     p.add_argument("--check", action="store_true", help="GPU numerics against the references")
     p.add_argument("--sweep", action="store_true", help="flash attention launch-setting sweep")
-    p.add_argument("--impls", nargs="+", default=["pallas", "xla", "cudnn"], choices=["pallas", "xla", "cudnn"],
-                   help="attention implementations to time")
+    p.add_argument("--impls", nargs="+", default=["pallas", "mosaic", "xla", "cudnn"],
+                   choices=["pallas", "mosaic", "xla", "cudnn"],
+                   help="attention implementations to time (mosaic: flash_attention(backend='mosaic'), Hopper)")
     p.add_argument("--attention-only", action="store_true", help="skip the RoPE and SwiGLU kernels")
     return p.parse_args(argv)
 
@@ -73,7 +76,8 @@ def _attention_inputs(seq: int, batch: int, packed: bool):
     return q, k, v, seg
 
 
-def attention_cases(seq: int, batch: int, packed: bool, iters: int, which=("pallas", "xla", "cudnn")) -> list[dict]:
+def attention_cases(seq: int, batch: int, packed: bool, iters: int,
+                    which=("pallas", "mosaic", "xla", "cudnn")) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
@@ -82,6 +86,7 @@ def attention_cases(seq: int, batch: int, packed: bool, iters: int, which=("pall
     q, k, v, seg = _attention_inputs(seq, batch, packed)
     impls = {
         "pallas": lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg),
+        "mosaic": lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg, backend="mosaic"),
         "xla": lambda q, k, v: flash_attention_reference(q, k, v, causal=True, segment_ids=seg),
     }
 
@@ -178,6 +183,9 @@ def check_cases(seq: int, batch: int) -> list[dict]:
     k = jax.random.normal(ks[1], (batch, seq, kv, d))
     v = jax.random.normal(ks[2], (batch, seq, kv, d))
     seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None].repeat(batch, 0)
+    compare("attention", "causal mosaic",
+            lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic"),
+            lambda q, k, v: flash_attention_reference(q, k, v, causal=True), [q, k, v], jnp.bfloat16)
     for dtype in (jnp.bfloat16, jnp.float32):
         for name, sg in (("causal", None), ("causal packed", seg)):
             compare("attention", name, lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=sg),
@@ -196,6 +204,8 @@ def check_cases(seq: int, batch: int) -> list[dict]:
 
 SWEEP_FWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128, 128))
              for w in (4, 8) for st in (2, 3)]
+# Mosaic forward: (block_q per warpgroup, block_k, K/V slots); larger tiles exceed shared memory or registers.
+SWEEP_MOSAIC = [(64, 64, 2), (64, 64, 3), (64, 64, 4), (64, 128, 2)]
 SWEEP_BWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128, 128), (32, 64))
              for w in (4, 8) for st in (1, 2)]
 
@@ -209,9 +219,16 @@ def sweep_cases(seq: int, batch: int, iters: int, packed: bool) -> list[dict]:
     q, k, v, seg = _attention_inputs(seq, batch, packed)
     flops_fwd = 4 * batch * seq * seq / 2 * h * d
     rows = []
-    for mode, grid in (("fwd", SWEEP_FWD), ("fwd+bwd", SWEEP_BWD)):
+    grids = [("fwd", SWEEP_FWD), ("fwd+bwd", SWEEP_BWD)]
+    if seg is None:
+        grids.append(("mosaic fwd", [(bq, bk, None, st) for bq, bk, st in SWEEP_MOSAIC]))
+    for mode, grid in grids:
         for bq, bk, w, st in grid:
-            if mode == "fwd":
+            if mode == "mosaic fwd":
+                kw = dict(block_q=bq, block_k=bk, num_stages=st, backend="mosaic")
+                fn = jax.jit(lambda q, k, v, kw=kw: flash_attention(q, k, v, causal=True, **kw))
+                flops = flops_fwd
+            elif mode == "fwd":
                 kw = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
                 fn = jax.jit(lambda q, k, v, kw=kw: flash_attention(q, k, v, causal=True, segment_ids=seg, **kw))
                 flops = flops_fwd
@@ -248,10 +265,10 @@ def main(argv=None) -> int:
     if args.sweep:
         for seq in args.seq:
             rows = sweep_cases(seq, args.batch, args.iters, args.packed)
-            for mode in ("fwd", "fwd+bwd"):
+            for mode in ("fwd", "fwd+bwd", "mosaic fwd"):
                 ok = sorted((r for r in rows if r["mode"] == mode and "ms" in r), key=lambda r: r["ms"])
                 for r in ok[:3]:
-                    print(f"best {mode:8s} seq {seq}: block_q {r['block_q']} block_k {r['block_k']} warps "
+                    print(f"best {mode:10s} seq {seq}: block_q {r['block_q']} block_k {r['block_k']} warps "
                           f"{r['num_warps']} stages {r['num_stages']}: {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s")
         return 0
     if not args.json:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtron import config as config_lib
 from jaxtron.train.__main__ import main
@@ -38,6 +39,8 @@ def test_config_round_trips_through_dict():
     assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
 
 
+HAS_MOSAIC_INTERPRETER = hasattr(plgpu, "InterpretGPUParams")
+
 BAD = [
     (["model.foo=1"], "model.foo"),
     (["trian.steps=1"], "trian"),
@@ -58,6 +61,13 @@ BAD = [
     (["model.scan_unroll=0"], "model.scan_unroll"),
     (["data.seq_len=0"], "data.seq_len"),
     (["model.attention_impl=cudnn"], "model.attention_impl"),
+    (["model.attention_impl=mosaic", "data.reset_at_eod=true", "model.dtype=bfloat16"], "model.attention_impl"),
+    (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.dtype=float32"], "model.attention_impl"),
+    (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.head_dim=32"], "model.attention_impl"),
+    # on CPU: jax 0.10 has no Mosaic GPU interpreter (model.attention_impl); newer JAX resolves dtype=auto to
+    # float32 there (model.dtype)
+    (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256", "model.num_heads=4",
+      "model.num_kv_heads=2"], "model.dtype" if HAS_MOSAIC_INTERPRETER else "model.attention_impl"),
     (["parallel.data=2", "parallel.fsdp=-1", "parallel.tensor=-1"], "parallel"),
     (["train.steps"], "train.steps"),
 ]

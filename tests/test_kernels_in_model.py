@@ -3,6 +3,8 @@ reference: 3 steps on data 2 x fsdp 2 x tensor 2 equal the single-device XLA run
 
 import jax
 import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import synthetic_batch, tiny_config
 from jaxtron.train.loop import Run, put_batch
@@ -30,3 +32,23 @@ def test_pallas_kernels_train_like_xla_on_a_2x2x2_mesh():
                                              *PALLAS), jax.devices())
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     assert ref[-1, 0] < ref[0, 0]  # it trains
+
+
+
+MOSAIC_MODEL = ("model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2", "data.reset_at_eod=false",
+                "model.dtype=bfloat16")
+
+
+@pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
+                    reason=f"Mosaic GPU interpret mode is public from jax 0.11 (this is {jax.__version__})")
+def test_mosaic_attention_trains_like_pallas():
+    """model.attention_impl=mosaic (head_dim 64, bf16) against the Triton kernel: the backward is the same kernel,
+    the forwards differ by fp16 rounding. One device: Mosaic GPU's interpreter keeps one global simulated GPU,
+    so kernels interpreted concurrently on several CPU devices (a mesh) trip over each other's barriers; on GPUs
+    the kernel runs per shard through the same `per_shard` wrapper as 'pallas', tested on a mesh above."""
+    ref = _losses_and_grad_norms(tiny_config("parallel.data=1", *MOSAIC_MODEL, "model.attention_impl=pallas"),
+                                 jax.devices()[:1])
+    got = _losses_and_grad_norms(tiny_config("parallel.data=1", *MOSAIC_MODEL, "model.attention_impl=mosaic"),
+                                 jax.devices()[:1])
+    np.testing.assert_allclose(got, ref, rtol=5e-3)
+    assert ref[-1, 0] < ref[0, 0]

@@ -1,6 +1,7 @@
-"""Attention dispatch: 'xla' (plain jnp reference, any device), 'cudnn' (jax.nn.dot_product_attention) or
+"""Attention dispatch: 'xla' (plain jnp reference, any device), 'cudnn' (jax.nn.dot_product_attention),
 'pallas' (``pallas_kernels.flash_attention``, run per shard: batch and heads split as the rules say, the
-sequence whole).
+sequence whole) or 'mosaic' (the same with ``backend="mosaic"``: the Mosaic GPU forward for Hopper and the
+Triton backward; no packed documents, which the config refuses).
 
 q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; causal; ``segment_ids``
 [batch, seq] (equal ids attend to each other: packed documents) or None. Softmax statistics are fp32.
@@ -45,20 +46,25 @@ Q_NAMES = ("act_batch", None, "act_heads", None)
 KV_NAMES = ("act_batch", None, "act_kv_heads", None)
 
 
-def pallas_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
+def pallas_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float, backend: str = "triton") -> jax.Array:
     from pallas_kernels.flash_attention import flash_attention
 
     interpret = kernel_interpret()
 
     def kernel(q, k, v, segment_ids):
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, softmax_scale=scale,
-                               interpret=interpret)
+                               interpret=interpret, backend=backend)
 
     seg_names = ("act_batch", None) if segment_ids is not None else None
     return per_shard(kernel, (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), Q_NAMES)(q, k, v, segment_ids)
 
 
-IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention}
+def mosaic_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
+    return pallas_attention(q, k, v, segment_ids, scale, backend="mosaic")
+
+
+IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention,
+                   "mosaic": mosaic_attention}
 
 
 def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: Optional[float] = None):
