@@ -65,7 +65,7 @@ class ModelConfig:
     initializer_range: float = _f(0.02, "Std of the normal init; output projections use std/sqrt(2*num_layers).")
     attention_impl: str = _f("xla", "Attention: 'xla' (reference, any device), 'cudnn' (GPU), 'pallas' (jaxtron's "
                                     "flash attention; GPU, or interpret mode on CPU: exact but slow) or 'mosaic' "
-                                    "(its Mosaic GPU forward for Hopper + Triton backward; bf16/fp16, head_dim "
+                                    "(its Mosaic GPU kernels for Hopper; bf16/fp16, head_dim "
                                     "64 or 128, no packed documents; on CPU interpreted with jax >= 0.11).")
     rope_impl: str = _f("xla", "Rotary embedding: 'xla' or 'pallas' (fused q/k kernel; interpret mode on CPU).")
     mlp_impl: str = _f("xla", "SwiGLU activation: 'xla' or 'pallas' (fused kernel; interpret mode on CPU).")

@@ -54,9 +54,9 @@ Design (Triton backend, `_triton_*`):
         its GQA group (q / dO / lse / delta blocks cover the group's heads) and over the visible q blocks, so the
         group sum happens in registers and dk/dv are written once, in the input dtype.
       - dq: grid (q_blocks, batch, heads); loop over visible kv blocks (same bounds as the forward).
-  * `backend` dispatches through _IMPLS (forward, backward). backend="mosaic" runs the Mosaic GPU forward of
-    `flash_attention_mosaic` (Hopper: TMA, wgmma, warp specialization; plain causal or full attention, 16-bit
-    inputs, head_dim 64 or 128) with this module's Triton backward.
+  * `backend` dispatches through _IMPLS (forward, backward). backend="mosaic" runs the Mosaic GPU kernels of
+    `flash_attention_mosaic` (forward) and `flash_attention_mosaic_bwd` (dq, dk/dv) for Hopper: TMA, wgmma,
+    warp specialization; plain causal or full attention, 16-bit inputs, head_dim 64 or 128.
   * On CPU the kernels run in Pallas interpret mode (interpret=None selects it automatically).
 """
 
@@ -74,6 +74,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ._common import cdiv, check_backend, is_pow2, next_pow2, resolve_interpret
 from .flash_attention_mosaic import check_mosaic, mosaic_forward
+from .flash_attention_mosaic_bwd import mosaic_backward
 
 __all__ = ["flash_attention", "flash_attention_reference"]
 
@@ -529,9 +530,16 @@ def _mosaic_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
                           interpret=cfg.interpret)
 
 
-# backend -> (forward, backward). "mosaic" pairs the Mosaic GPU forward with the Triton backward: both use the
-# same residuals (log2-domain log-sum-exp, O / s_v in fp16).
-_IMPLS = {"triton": (_triton_fwd, _triton_bwd), "mosaic": (_mosaic_fwd, _triton_bwd)}
+def _mosaic_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
+    """The Mosaic GPU backward (`flash_attention_mosaic_bwd`), same operands and results as `_triton_bwd`."""
+    assert seg is None and cfg.window is None
+    return mosaic_backward(q, k, v, lse, delta, do, sc, causal=cfg.causal, seq_len=cfg.seq_len,
+                           block_q=cfg.block_q_bwd, block_kv=cfg.block_k_bwd, slots=cfg.num_stages_bwd,
+                           out_dtype=out_dtype, interpret=cfg.interpret)
+
+
+# backend -> (forward, backward); both backends' kernels share the residuals (log2-domain log-sum-exp, O / s_v).
+_IMPLS = {"triton": (_triton_fwd, _triton_bwd), "mosaic": (_mosaic_fwd, _mosaic_bwd)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -678,13 +686,15 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
                     interpret: bool | None = None, backend: str = "triton"):
     """Fused attention; q [b, s, h, d], k/v [b, s, kv_h, d] -> [b, s, h, d] in q.dtype. Differentiable in q, k, v.
 
-    backend: "triton" (every feature, any dtype) or "mosaic" (Mosaic GPU forward for Hopper, Triton backward;
-    no segment_ids / sliding_window, bf16 or fp16, head_dim 64 or 128: anything else raises ValueError).
+    backend: "triton" (every feature, any dtype) or "mosaic" (Mosaic GPU kernels for Hopper, forward and
+    backward; no segment_ids / sliding_window, bf16 or fp16, head_dim 64 or 128: anything else raises ValueError).
     Block sizes are powers of two >= 16; None -> 64 / 64 (triton) or 64 / 128 (mosaic, multiples of 64; its
     block_q is per compute warpgroup, two per CTA). Triton blocks are clamped down to the padded seq length.
-    block_*_bwd (the Triton backward's) default to the forward ones (triton) or 64 (mosaic). num_stages: Triton pipelining stages, or the Mosaic
-    forward's K/V shared-memory slots; None -> 3 (triton) or 2 (mosaic). num_warps=None -> 4.
-    num_warps_bwd / num_stages_bwd (the backward kernels' Triton launch settings) default to num_warps / 2.
+    block_*_bwd default to the forward ones (triton) or 64 (mosaic: multiples of 64; the dq kernel's CTA covers
+    2 * block_q_bwd rows, the dk/dv kernel's 2 * block_k_bwd keys). num_stages: Triton pipelining stages, or the
+    Mosaic forward's K/V shared-memory slots; None -> 3 (triton) or 2 (mosaic). num_warps=None -> 4.
+    num_warps_bwd / num_stages_bwd: the Triton backward's launch settings (default num_warps / 2); for mosaic
+    num_stages_bwd is the backward kernels' shared-memory slots (default 2).
     interpret=None -> interpret mode on the CPU backend (Mosaic GPU's interpreter needs jax >= 0.11).
     See the module docstring for masking semantics.
     """
@@ -701,14 +711,16 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     num_stages = dst if num_stages is None else num_stages
     interpret = resolve_interpret(interpret)
     cap = max(_MIN_BLOCK, next_pow2(s))
-    fwd_q, fwd_k = (64, 64) if backend == "mosaic" else (block_q, block_k)   # the Triton backward's defaults
-    bqb = min(block_q_bwd or fwd_q, cap)
-    bkb = min(block_k_bwd or fwd_k, cap)
+    bqb = min(block_q_bwd or block_q, cap)
+    bkb = min(block_k_bwd or block_k, cap)
+    stages_bwd = num_stages_bwd if num_stages_bwd is not None else 2
     if backend == "mosaic":
+        bqb, bkb = block_q_bwd or 64, block_k_bwd or 64          # not clamped either
         check_mosaic(head_dim=d, dtype=q.dtype, segment_ids=segment_ids, sliding_window=sliding_window,
-                     block_q=block_q, block_kv=block_k, max_steps=num_stages, interpret=interpret)
+                     block_q=block_q, block_kv=block_k, max_steps=num_stages, interpret=interpret,
+                     block_q_bwd=bqb, block_kv_bwd=bkb, slots_bwd=stages_bwd)
         bq, bk = block_q, block_k                   # not clamped: a CTA covers 2 * block_q rows
-        multiple = max(2 * bq, bk, bqb, bkb)
+        multiple = max(2 * bq, bk, 2 * bqb, 2 * bkb)
     else:
         bq, bk = min(block_q, cap), min(block_k, cap)
         multiple = max(bq, bk, bqb, bkb)
@@ -720,7 +732,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
         window=sliding_window, seq_len=s, block_q=bq, block_k=bk, block_q_bwd=bqb, block_k_bwd=bkb,
         num_warps=warps, num_stages=num_stages,
         num_warps_bwd=num_warps_bwd if num_warps_bwd is not None else warps,
-        num_stages_bwd=num_stages_bwd if num_stages_bwd is not None else 2,
+        num_stages_bwd=stages_bwd,
         interpret=interpret,
     )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)

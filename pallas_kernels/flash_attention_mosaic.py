@@ -1,7 +1,8 @@
 """Flash attention forward as a Mosaic GPU (Hopper, sm_90a) kernel: TMA loads, wgmma, warp specialization.
 
-This is the `backend="mosaic"` forward of `pallas_kernels.flash_attention`; the backward stays the Triton one
-(both share the residual format: log-sum-exp in the log2 domain [batch, heads, seq] and O / s_v in fp16).
+This is the `backend="mosaic"` forward of `pallas_kernels.flash_attention`; `flash_attention_mosaic_bwd` holds
+the backward (both backends' kernels share the residual format: log-sum-exp in the log2 domain [batch, heads,
+seq] and O / s_v in fp16). The helpers below (`mm`, `mma_into`, `kv_producer`) serve both modules.
 It takes the same compute operands as the Triton forward: q, k, v in fp16, already divided by their power-of-two
 scales (see flash_attention's docstring), and the per-(batch, head) logit multiplier and s_v.
 
@@ -73,8 +74,9 @@ def smem_bytes(head_dim: int, block_q: int, block_kv: int, max_steps: int, out_i
 
 
 def check_mosaic(*, head_dim: int, dtype, segment_ids, sliding_window, block_q: int, block_kv: int,
-                 max_steps: int, interpret: bool) -> None:
-    """Raise ValueError naming the argument the Mosaic GPU forward cannot take."""
+                 max_steps: int, interpret: bool, block_q_bwd: int = 64, block_kv_bwd: int = 64,
+                 slots_bwd: int = 2) -> None:
+    """Raise ValueError naming the argument the Mosaic GPU kernels cannot take."""
     if segment_ids is not None:
         raise ValueError("flash_attention(backend='mosaic') has no segment_ids (packed documents); "
                          "use backend='triton'")
@@ -85,23 +87,96 @@ def check_mosaic(*, head_dim: int, dtype, segment_ids, sliding_window, block_q: 
                          " (wgmma has no IEEE fp32); use backend='triton' for float32")
     if head_dim not in MOSAIC_HEAD_DIMS:
         raise ValueError(f"flash_attention(backend='mosaic') supports head_dim {MOSAIC_HEAD_DIMS}, got {head_dim}")
-    for name, value in (("block_q", block_q), ("block_k", block_kv)):
+    for name, value in (("block_q", block_q), ("block_k", block_kv), ("block_q_bwd", block_q_bwd),
+                        ("block_k_bwd", block_kv_bwd)):
         if value % 64:
             raise ValueError(f"flash_attention(backend='mosaic'): {name} must be a multiple of 64, got {value}")
     if block_kv < block_q:
         raise ValueError(f"flash_attention(backend='mosaic'): block_k ({block_kv}) must be >= block_q ({block_q})")
-    if not isinstance(max_steps, int) or max_steps < 2:
-        raise ValueError(f"flash_attention(backend='mosaic'): max_steps must be an int >= 2, got {max_steps!r}")
+    for name, value in (("num_stages", max_steps), ("num_stages_bwd", slots_bwd)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+            raise ValueError(f"flash_attention(backend='mosaic'): {name} (shared-memory slots) must be an int >= 2, "
+                             f"got {value!r}")
     need = smem_bytes(head_dim, block_q, block_kv, max_steps, jnp.dtype(dtype).itemsize, interpret)
     if need > _SMEM_BYTES:
         raise ValueError(f"flash_attention(backend='mosaic'): block_q={block_q}, block_k={block_kv}, "
-                         f"max_steps={max_steps} at head_dim {head_dim} need {need} bytes of shared memory "
-                         f"(H100: {_SMEM_BYTES}); lower block_k or max_steps")
+                         f"num_stages={max_steps} at head_dim {head_dim} need {need} bytes of shared memory "
+                         f"(H100: {_SMEM_BYTES}); lower block_k or num_stages")
+    from .flash_attention_mosaic_bwd import bwd_smem_bytes
+
+    need = bwd_smem_bytes(head_dim, block_q_bwd, block_kv_bwd, slots_bwd, jnp.dtype(dtype).itemsize, interpret)
+    if need > _SMEM_BYTES:
+        raise ValueError(f"flash_attention(backend='mosaic'): block_q_bwd={block_q_bwd}, block_k_bwd={block_kv_bwd}, "
+                         f"num_stages_bwd={slots_bwd} at head_dim {head_dim} need {need} bytes of shared memory "
+                         f"(H100: {_SMEM_BYTES}); lower the backward blocks or num_stages_bwd")
 
 
-def _row(x, n):
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # wgmma operand layout in shared memory
+
+
+def row_of(x, n):
     """[rows] statistics broadcast over a [rows, n] tile."""
     return lax.broadcast_in_dim(x, (x.shape[0], n), [0])
+
+
+def mm(a_ref, b_ref, shape):
+    """a @ b, both in shared memory, into a fresh fp32 [m, n] tile (registers)."""
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref, b_ref)
+        return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def mma_into(acc, a, b_ref, a_smem=None, then=None):
+    """acc + a @ b_ref: acc an fp32 register tile, a a 16-bit register tile, b in shared memory; `then()` runs
+    while the wgmma is in flight. On hardware the wgmma accumulates into acc in place (pl.run_state). Interpret
+    mode (a_smem given) stages a through shared memory and adds a fresh product (see the module docstring)."""
+    if a_smem is not None:
+        a_smem[...] = a
+
+        def staged(acc_ref):
+            plgpu.wgmma(acc_ref, a_smem, b_ref)
+            if then is not None:
+                then()
+            return acc_ref[...]
+        return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+
+    def in_place(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_ref)
+        if then is not None:
+            then()
+    return pl.run_state(in_place)(plgpu.ACC.init(acc))
+
+
+def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, batch, kv_head, steps, slots: int,
+                block: int, static: bool):
+    """The TMA warpgroup: K/V blocks 0..steps-1 of (batch, kv_head) into `slots` rotating shared-memory slots.
+    A slot is refilled once both compute warpgroups have released it (k_free / v_free, two arrivals), and the
+    last releases are waited for too, so every barrier phase is observed (the interpreter checks this).
+    static: steps is a Python int."""
+    def load(j, slot):
+        blk = (batch, pl.ds(j * block, block), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+
+    for i in range(slots):
+        if not static:
+            pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
+        elif i < steps:
+            load(jnp.int32(i), i)
+
+    def refill(j, _):
+        slot = lax.rem(j, jnp.int32(slots))
+        plgpu.barrier_wait(k_free.at[slot])            # both warpgroups are done with block j - slots
+        plgpu.barrier_wait(v_free.at[slot])
+        load(j, slot)
+    lax.fori_loop(jnp.int32(slots), steps, refill, None)
+
+    def drain(j, _):
+        slot = lax.rem(j, jnp.int32(slots))
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+    lax.fori_loop(jnp.maximum(steps - slots, 0), steps, drain, None)
 
 
 def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, block_kv: int, max_steps: int,
@@ -184,8 +259,8 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
                     s = jnp.where(vis, s, _NEG)
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s * _row(c, bkv) - _row(m_new, bkv))
-                acc = acc * _row(alpha, d)
+                p = jnp.exp2(s * row_of(c, bkv) - row_of(m_new, bkv))
+                acc = acc * row_of(alpha, d)
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(cdt)
                 plgpu.barrier_arrive(sched)                 # softmax done
@@ -199,19 +274,7 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
                     def _():
                         plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(n_steps))])
 
-                if interpret:                               # see the module docstring
-                    p_smem[...] = p16
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                        wait_next_k()
-                        return acc_ref[...]
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
-                else:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        wait_next_k()
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                acc = mma_into(acc, p16, v_smem.at[slot], p_smem, then=wait_next_k)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
@@ -240,8 +303,8 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
             pl.when(wg == 0)(rendezvous)
 
             inv_l = 1.0 / l
-            o = acc * _row(inv_l, d)                        # in units of s_v
-            o_smem[...] = (o * _row(s_v, d)).astype(out_dtype)
+            o = acc * row_of(inv_l, d)                        # in units of s_v
+            o_smem[...] = (o * row_of(s_v, d)).astype(out_dtype)
             if residual:
                 q_smem[...] = o.astype(cdt)                 # the matmuls reading q are done
             lse_smem[...] = m + jnp.log(l) * _RCP_LN2
@@ -256,34 +319,12 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            kv_head = lax.div(head, jnp.int32(group))
-
-            def load(j, slot):
-                blk = (batch, pl.ds(j * bkv, bkv), kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
-
-            for i in range(n_steps):
-                if causal:
-                    pl.when(i < cta_steps)(functools.partial(load, jnp.int32(i), i))
-                elif i < cta_steps:
-                    load(jnp.int32(i), i)
-
-            def refill(j, _):
-                slot = lax.rem(j, jnp.int32(n_steps))
-                plgpu.barrier_wait(k_free.at[slot])        # both warpgroups are done with block j - n_steps
-                plgpu.barrier_wait(v_free.at[slot])
-                load(j, slot)
-            lax.fori_loop(jnp.int32(n_steps), cta_steps, refill, None)
-
-            def drain(j, _):                                # the last blocks' releases (barrier phase hygiene)
-                slot = lax.rem(j, jnp.int32(n_steps))
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-            lax.fori_loop(jnp.maximum(cta_steps - n_steps, 0), cta_steps, drain, None)
+            kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, batch=batch,
+                        kv_head=lax.div(head, jnp.int32(group)), steps=cta_steps, slots=n_steps, block=bkv,
+                        static=not causal)
 
     def entry(q_ref, k_ref, v_ref, sc_ref, *outs):
-        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        tiled = TILED
         smem = (
             plgpu.SMEM((COMPUTE_WGS, bq, d), cdt, transforms=tiled),
             plgpu.SMEM((COMPUTE_WGS, bq, d), out_dtype, transforms=tiled),

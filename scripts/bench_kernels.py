@@ -8,8 +8,8 @@ Shapes: heads 32, kv heads 8, head_dim 128, bf16; MLP width 14336. Each case is 
 forward+backward (gradient of the sum w.r.t. every input) after a warm-up; the median of ``--iters`` runs.
 Attention TFLOP/s count the causal half of the score matrix: 4 * b * s^2/2 * heads * head_dim forward
 (two matmuls), 3.5x that for forward+backward (the backward has five), as FlashAttention's papers count.
-``--impls``: pallas (the Triton kernels), mosaic (flash_attention(backend="mosaic"): the Mosaic GPU forward for
-Hopper with the Triton backward; it has no packed documents), xla (the jnp reference), cudnn.
+``--impls``: pallas (the Triton kernels), mosaic (flash_attention(backend="mosaic"): the Mosaic GPU kernels for
+Hopper, forward and backward; no packed documents), xla (the jnp reference), cudnn.
 ``--packed`` also runs each attention with 4 packed documents per row (segment ids; cuDNN gets the
 equivalent dense mask, which is what jaxtron's 'cudnn' attention does). ``--check`` compares the compiled
 kernels' outputs and gradients on random inputs (relative Frobenius error) with the reference run on the same

@@ -51,7 +51,7 @@ def main() -> dict:
         return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
     out["flash_attention_causal"] = _compile(attn_causal, q, k, k)
 
-    def attn_mosaic(q, k, v):   # the Mosaic GPU forward with the Triton backward
+    def attn_mosaic(q, k, v):   # the Mosaic GPU kernels, forward and backward
         f = lambda q, k, v: flash_attention(q, k, v, backend="mosaic", interpret=False).astype(jnp.float32).sum()
         return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
     out["flash_attention_mosaic"] = _compile(attn_mosaic, q, k, k)

@@ -1,0 +1,329 @@
+"""Flash attention backward as two Mosaic GPU (Hopper) kernels: dq, and dk/dv.
+
+The `backend="mosaic"` backward of `pallas_kernels.flash_attention`, on the same operands and residuals as the
+Triton backward: q, k, v, dO in fp16 (divided by their power-of-two scales), lse [b, h, sp] (log2 domain),
+delta = rowsum(dO * O) [b, h, sp] in the operands' units, sc [b, kv_h, 4] = (logit multiplier, dq, dk, dv
+multipliers). FlashAttention-2's split, with FlashAttention-3's Hopper machinery:
+
+  * dq: one CTA per (head, 2 * block_q query rows, batch); two compute warpgroups of block_q rows and a TMA
+    producer streaming K/V blocks through `slots` shared-memory buffers (`flash_attention_mosaic.kv_producer`,
+    shared with the forward). Per block: S = Q K^T and dP = dO V^T by wgmma from shared memory, P = exp2(S c -
+    lse), dS = P (dP - delta), dQ += dS K with dS (fp16) in registers. Causal: only blocks up to the diagonal,
+    the interior ones without a mask; heaviest query tiles launch first.
+  * dk/dv: one CTA per (kv head, 2 * block_k keys, batch); two compute warpgroups of block_k keys (K and V stay
+    in shared memory) and a producer streaming (q, dO, lse, delta) blocks for every query head of the GQA group
+    and every visible query block, so the group sum happens in the accumulators. Per block: S^T = K Q^T,
+    P^T = exp2(S^T c - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
+  * Padded query rows have dO = 0 and so add nothing; padded keys are masked in dq (non-causal; under causal
+    masking no real query sees them) and their dk/dv rows are dropped by the wrapper.
+
+Interpret mode swaps register operands and `run_state` as the forward does (see its docstring).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ._common import cdiv
+from .flash_attention_mosaic import (COMPUTE_WGS, TILED, kv_producer, mma_into, mm, mosaic_interpret_params,
+                                     row_of)
+
+__all__ = ["mosaic_backward", "bwd_smem_bytes"]
+
+
+def bwd_smem_bytes(head_dim: int, block_q: int, block_kv: int, slots: int, out_itemsize: int,
+                   interpret: bool) -> int:
+    """Shared memory of the larger of the two backward kernels."""
+    d, w = head_dim, COMPUTE_WGS
+    dq = (2 * w * block_q * d * 2 + w * block_q * d * out_itemsize + 2 * slots * block_kv * d * 2
+          + w * 4 * block_q * 4 + (w * block_q * block_kv * 2 if interpret else 0))
+    dkv = (2 * w * block_kv * d * 2 + 2 * w * block_kv * d * out_itemsize + 2 * slots * block_q * d * 2
+           + 2 * slots * block_q * 4 + w * 3 * max(block_q, block_kv) * 4
+           + (w * block_kv * block_q * 2 if interpret else 0))
+    return max(dq, dkv)
+
+
+def _col(x, n):
+    """[cols] statistics broadcast over an [n, cols] tile."""
+    return lax.broadcast_in_dim(x, (n, x.shape[0]), [1])
+
+
+def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret):
+    b, sp, h, d = q.shape
+    group = h // k.shape[2]
+    n_q_tiles = sp // (COMPUTE_WGS * bq)
+    real_blocks = cdiv(seq_len, bkv)
+    ragged_last = seq_len % bkv != 0
+    cdt = q.dtype
+    rows = plgpu.Layout.WGMMA.reduce(1)
+    # (logit multiplier, dq multiplier) per (batch, head) as TMA-able rows [b, h, 2, bq].
+    sc_rows = jnp.broadcast_to(jnp.repeat(sc[..., :2], group, axis=1)[..., None], (b, h, 2, bq))
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dq_ref, scratch):
+        (q_smem2, do_smem2, dq_smem2, k_smem, v_smem, lse_smem2, delta_smem2, sc_smem2, a_smem2), bars, free = scratch
+        k_bar, v_bar, in_bar = bars
+        k_free, v_free = free
+        batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        cta_base = (n_q_tiles - 1 - lax.axis_index("q_seq")) * (COMPUTE_WGS * bq)
+
+        def visible_blocks(q_end):
+            if not causal:
+                return real_blocks
+            return jnp.minimum(lax.div(q_end + (bkv - 1), jnp.int32(bkv)), jnp.int32(real_blocks))
+
+        cta_steps = visible_blocks(cta_base + COMPUTE_WGS * bq)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem, dq_smem = q_smem2.at[wg], do_smem2.at[wg], dq_smem2.at[wg]
+            a_smem = a_smem2.at[wg] if interpret else None
+            q_base = cta_base + wg * bq
+            steps = visible_blocks(q_base + bq)
+            sl = (batch, pl.ds(q_base, bq), head)
+            bar = in_bar.at[wg]
+            for src, dst in ((q_ref.at[sl], q_smem), (do_ref.at[sl], do_smem),
+                             (lse_ref.at[batch, head, pl.ds(q_base, bq)], lse_smem2.at[wg]),
+                             (delta_ref.at[batch, head, pl.ds(q_base, bq)], delta_smem2.at[wg]),
+                             (sc_ref.at[batch, head], sc_smem2.at[wg])):
+                plgpu.copy_gmem_to_smem(src, dst, bar)
+                plgpu.barrier_wait(bar)
+            lse = plgpu.load(lse_smem2.at[wg], (), layout=rows)
+            delta = plgpu.load(delta_smem2.at[wg], (), layout=rows)
+            c = plgpu.load(sc_smem2.at[wg, 0], (), layout=rows)
+            mult = plgpu.load(sc_smem2.at[wg, 1], (), layout=rows)
+
+            def step(j, dq, masked: bool):
+                slot = lax.rem(j, jnp.int32(slots))
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                s = mm(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
+                dp = mm(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
+                plgpu.barrier_arrive(v_free.at[slot])
+                p = jnp.exp2(s * row_of(c, bkv) - row_of(lse, bkv))
+                if masked:
+                    kv_pos = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    if causal:
+                        q_pos = q_base + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+                        vis = q_pos >= kv_pos
+                    else:
+                        vis = kv_pos < seq_len
+                    p = jnp.where(vis, p, 0.0)
+                ds = p * (dp - row_of(delta, bkv))
+                dq = mma_into(dq, ds.astype(cdt), k_smem.at[slot], a_smem)
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            dq = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            if causal:
+                full = jnp.minimum(lax.div(q_base, jnp.int32(bkv)), steps)
+                dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
+                dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+
+                def release(j, _):
+                    slot = lax.rem(j, jnp.int32(slots))
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                lax.fori_loop(steps, cta_steps, release, None)
+            else:
+                full = real_blocks - 1 if ragged_last else real_blocks
+                dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
+                if ragged_last:
+                    dq = step(jnp.int32(full), dq, masked=True)
+            dq_smem[...] = (dq * row_of(mult, d)).astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[sl])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, batch=batch,
+                        kv_head=lax.div(head, jnp.int32(group)), steps=cta_steps, slots=slots, block=bkv,
+                        static=not causal)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dq_ref):
+        w = COMPUTE_WGS
+        smem = (plgpu.SMEM((w, bq, d), cdt, transforms=TILED), plgpu.SMEM((w, bq, d), cdt, transforms=TILED),
+                plgpu.SMEM((w, bq, d), out_dtype, transforms=TILED),
+                plgpu.SMEM((slots, bkv, d), cdt, transforms=TILED), plgpu.SMEM((slots, bkv, d), cdt, transforms=TILED),
+                plgpu.SMEM((w, bq), jnp.float32), plgpu.SMEM((w, bq), jnp.float32),
+                plgpu.SMEM((w, 2, bq), jnp.float32),
+                plgpu.SMEM((w, bq, bkv), cdt, transforms=TILED) if interpret else None)
+        bars = (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=w))
+        free = (plgpu.Barrier(num_arrivals=w, num_barriers=slots),) * 2
+        pl.run_scoped(lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dq_ref, scr),
+                      smem, bars, free, collective_axes="wg")
+
+    extra = {"interpret": mosaic_interpret_params()} if interpret else {}
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(q.shape, out_dtype), grid=(h, n_q_tiles, b),
+                        grid_names=("heads", "q_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True), **extra,
+                        )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32))
+
+
+def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret):
+    b, sp, h, d = q.shape
+    kvh = k.shape[2]
+    group = h // kvh
+    n_kv_tiles = sp // (COMPUTE_WGS * bkv)
+    n_qb = cdiv(seq_len, bq)                          # query blocks holding at least one real row
+    cdt = q.dtype
+    rows, cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    width = max(bq, bkv)
+    # (logit multiplier, dk multiplier, dv multiplier) per (batch, kv head) as TMA-able rows [b, kv_h, 3, width].
+    sc_rows = jnp.broadcast_to(sc[..., jnp.array([0, 2, 3])][..., None], (b, kvh, 3, width))
+
+    def first_q_block(key_start):
+        """The first query block a key range starting at key_start is visible to (clamped to n_qb)."""
+        if not causal:
+            return 0
+        return jnp.minimum(lax.div(key_start, jnp.int32(bq)), jnp.int32(n_qb))
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dk_ref, dv_ref, scratch):
+        (k_smem2, v_smem2, dk_smem2, dv_smem2, q_smem, do_smem, lse_smem, delta_smem, sc_smem2, a_smem2), \
+            (q_bar, do_bar, lse_bar, delta_bar, own_bar), free = scratch
+        batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
+        cta_base = lax.axis_index("kv_seq") * (COMPUTE_WGS * bkv)   # causal: the heaviest (first) tiles first
+        cta_i0 = first_q_block(cta_base)
+        per_head = n_qb - cta_i0                                    # query blocks per head of the group
+        total = group * per_head
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem, dk_smem, dv_smem = k_smem2.at[wg], v_smem2.at[wg], dk_smem2.at[wg], dv_smem2.at[wg]
+            a_smem = a_smem2.at[wg] if interpret else None
+            kv_base = cta_base + wg * bkv
+            sl = (batch, pl.ds(kv_base, bkv), kv_head)
+            bar = own_bar.at[wg]
+            for src, dst in ((k_ref.at[sl], k_smem), (v_ref.at[sl], v_smem),
+                             (sc_ref.at[batch, kv_head], sc_smem2.at[wg])):
+                plgpu.copy_gmem_to_smem(src, dst, bar)
+                plgpu.barrier_wait(bar)
+            c = plgpu.load(sc_smem2.at[wg, 0, pl.ds(0, bq)], (), layout=cols)
+            dk_mult = plgpu.load(sc_smem2.at[wg, 1, pl.ds(0, bkv)], (), layout=rows)
+            dv_mult = plgpu.load(sc_smem2.at[wg, 2, pl.ds(0, bkv)], (), layout=rows)
+            wg_i0 = first_q_block(kv_base)
+            # Query blocks starting at or after kv_base + bkv see every key of this warpgroup: no mask.
+            unmasked_from = jnp.minimum(lax.div(kv_base + bkv + (bq - 1), jnp.int32(bq)), jnp.int32(n_qb)) \
+                if causal else 0
+
+            def wait_inputs(slot):
+                for bars_ in (q_bar, do_bar, lse_bar, delta_bar):
+                    plgpu.barrier_wait(bars_.at[slot])
+
+            def slot_of(g, i):
+                return lax.rem(g * per_head + i - cta_i0, jnp.int32(slots))
+
+            def step(i, carry, g, masked: bool):
+                dk, dv = carry
+                slot = slot_of(g, i)
+                wait_inputs(slot)
+                st = mm(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
+                lse = plgpu.load(lse_smem.at[slot], (), layout=cols)
+                pt = jnp.exp2(st * _col(c, bkv) - _col(lse, bkv))
+                if masked:
+                    q_pos = i * bq + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
+                    k_pos = kv_base + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+                    pt = jnp.where(q_pos >= k_pos, pt, 0.0)
+                dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], a_smem)
+                dpt = mm(v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq))
+                delta = plgpu.load(delta_smem.at[slot], (), layout=cols)
+                dst = pt * (dpt - _col(delta, bkv))
+                dk = mma_into(dk, dst.astype(cdt), q_smem.at[slot], a_smem)
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            def release(i, _, g):                  # blocks only the other warpgroup's keys see
+                slot = slot_of(g, i)
+                wait_inputs(slot)
+                plgpu.barrier_arrive(free.at[slot])
+
+            def head_body(g, carry):
+                if causal:
+                    lax.fori_loop(cta_i0, wg_i0, functools.partial(release, g=g), None)
+                    carry = lax.fori_loop(wg_i0, unmasked_from, functools.partial(step, g=g, masked=True), carry)
+                return lax.fori_loop(unmasked_from, n_qb, functools.partial(step, g=g, masked=False), carry)
+
+            zeros = plgpu.layout_cast(jnp.full((bkv, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            dk, dv = lax.fori_loop(0, group, head_body, (zeros, zeros))
+            dk_smem[...] = (dk * row_of(dk_mult, d)).astype(out_dtype)
+            dv_smem[...] = (dv * row_of(dv_mult, d)).astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[sl])
+            plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[sl])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(t, slot):
+                g = lax.div(t, per_head)
+                i = cta_i0 + lax.rem(t, per_head)
+                head = kv_head * group + g
+                blk = (batch, pl.ds(i * bq, bq), head)
+                stat = (batch, head, pl.ds(i * bq, bq))
+                plgpu.copy_gmem_to_smem(q_ref.at[blk], q_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[blk], do_smem.at[slot], do_bar.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[stat], lse_smem.at[slot], lse_bar.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[stat], delta_smem.at[slot], delta_bar.at[slot])
+
+            for s in range(slots):
+                pl.when(s < total)(functools.partial(load, jnp.int32(s), s))
+
+            def refill(t, _):
+                slot = lax.rem(t, jnp.int32(slots))
+                plgpu.barrier_wait(free.at[slot])
+                load(t, slot)
+            lax.fori_loop(jnp.int32(slots), total, refill, None)
+
+            def drain(t, _):
+                plgpu.barrier_wait(free.at[lax.rem(t, jnp.int32(slots))])
+            lax.fori_loop(jnp.maximum(total - slots, 0), total, drain, None)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dk_ref, dv_ref):
+        w = COMPUTE_WGS
+        smem = (plgpu.SMEM((w, bkv, d), cdt, transforms=TILED), plgpu.SMEM((w, bkv, d), cdt, transforms=TILED),
+                plgpu.SMEM((w, bkv, d), out_dtype, transforms=TILED),
+                plgpu.SMEM((w, bkv, d), out_dtype, transforms=TILED),
+                plgpu.SMEM((slots, bq, d), cdt, transforms=TILED), plgpu.SMEM((slots, bq, d), cdt, transforms=TILED),
+                plgpu.SMEM((slots, bq), jnp.float32), plgpu.SMEM((slots, bq), jnp.float32),
+                plgpu.SMEM((w, 3, width), jnp.float32),
+                plgpu.SMEM((w, bkv, bq), cdt, transforms=TILED) if interpret else None)
+        bars = tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4)) + (plgpu.Barrier(num_barriers=w),)
+        pl.run_scoped(
+            lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dk_ref, dv_ref, scr),
+            smem, bars, plgpu.Barrier(num_arrivals=w, num_barriers=slots), collective_axes="wg")
+
+    extra = {"interpret": mosaic_interpret_params()} if interpret else {}
+    kv_type = jax.ShapeDtypeStruct(k.shape, out_dtype)
+    return plgpu.kernel(entry, out_type=(kv_type, kv_type), grid=(kvh, n_kv_tiles, b),
+                        grid_names=("kv_heads", "kv_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True), **extra,
+                        )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32))
+
+
+def mosaic_backward(q, k, v, lse, delta, do, sc, *, causal: bool, seq_len: int, block_q: int, block_kv: int,
+                    slots: int, out_dtype, interpret: bool):
+    """-> (dq, dk, dv) in out_dtype. sp must be a multiple of 2 * block_q and 2 * block_kv."""
+    sp = q.shape[1]
+    assert sp % (COMPUTE_WGS * block_q) == 0 and sp % (COMPUTE_WGS * block_kv) == 0, (sp, block_q, block_kv)
+    kw = dict(causal=causal, seq_len=seq_len, bq=block_q, bkv=block_kv, slots=slots, out_dtype=out_dtype,
+              interpret=interpret)
+    dq = _dq(q, k, v, do, lse, delta, sc, **kw)
+    if interpret:
+        # Mosaic GPU's interpreter simulates one GPU in global state: two kernels interpreted at once (XLA runs
+        # independent ops concurrently) deadlock. Make dk/dv wait for dq.
+        dq, q, k, v, do, lse, delta, sc = lax.optimization_barrier((dq, q, k, v, do, lse, delta, sc))
+    dk, dv = _dkv(q, k, v, do, lse, delta, sc, **kw)
+    return dq, dk, dv
