@@ -87,13 +87,14 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
             q_base = cta_base + wg * bq
             steps = visible_blocks(q_base + bq)
             sl = (batch, pl.ds(q_base, bq), head)
-            bar = in_bar.at[wg]
-            for src, dst in ((q_ref.at[sl], q_smem), (do_ref.at[sl], do_smem),
-                             (lse_ref.at[batch, head, pl.ds(q_base, bq)], lse_smem2.at[wg]),
-                             (delta_ref.at[batch, head, pl.ds(q_base, bq)], delta_smem2.at[wg]),
-                             (sc_ref.at[batch, head], sc_smem2.at[wg])):
-                plgpu.copy_gmem_to_smem(src, dst, bar)
-                plgpu.barrier_wait(bar)
+            copies = ((q_ref.at[sl], q_smem), (do_ref.at[sl], do_smem),
+                      (lse_ref.at[batch, head, pl.ds(q_base, bq)], lse_smem2.at[wg]),
+                      (delta_ref.at[batch, head, pl.ds(q_base, bq)], delta_smem2.at[wg]),
+                      (sc_ref.at[batch, head], sc_smem2.at[wg]))
+            for i, (src, dst) in enumerate(copies):            # all in flight at once, one barrier each
+                plgpu.copy_gmem_to_smem(src, dst, in_bar.at[wg * len(copies) + i])
+            for i in range(len(copies)):
+                plgpu.barrier_wait(in_bar.at[wg * len(copies) + i])
             lse = plgpu.load(lse_smem2.at[wg], (), layout=rows)
             delta = plgpu.load(delta_smem2.at[wg], (), layout=rows)
             c = plgpu.load(sc_smem2.at[wg, 0], (), layout=rows)
@@ -158,7 +159,8 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
                 plgpu.SMEM((w, bq), jnp.float32), plgpu.SMEM((w, bq), jnp.float32),
                 plgpu.SMEM((w, 2, bq), jnp.float32),
                 plgpu.SMEM((w, bq, bkv), cdt, transforms=TILED) if interpret else None)
-        bars = (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=w))
+        bars = (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
+                plgpu.Barrier(num_barriers=5 * w))
         free = (plgpu.Barrier(num_arrivals=w, num_barriers=slots),) * 2
         pl.run_scoped(lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dq_ref, scr),
                       smem, bars, free, collective_axes="wg")
@@ -204,11 +206,11 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
             a_smem = a_smem2.at[wg] if interpret else None
             kv_base = cta_base + wg * bkv
             sl = (batch, pl.ds(kv_base, bkv), kv_head)
-            bar = own_bar.at[wg]
-            for src, dst in ((k_ref.at[sl], k_smem), (v_ref.at[sl], v_smem),
-                             (sc_ref.at[batch, kv_head], sc_smem2.at[wg])):
-                plgpu.copy_gmem_to_smem(src, dst, bar)
-                plgpu.barrier_wait(bar)
+            copies = ((k_ref.at[sl], k_smem), (v_ref.at[sl], v_smem), (sc_ref.at[batch, kv_head], sc_smem2.at[wg]))
+            for i, (src, dst) in enumerate(copies):
+                plgpu.copy_gmem_to_smem(src, dst, own_bar.at[wg * len(copies) + i])
+            for i in range(len(copies)):
+                plgpu.barrier_wait(own_bar.at[wg * len(copies) + i])
             c = plgpu.load(sc_smem2.at[wg, 0, pl.ds(0, bq)], (), layout=cols)
             dk_mult = plgpu.load(sc_smem2.at[wg, 1, pl.ds(0, bkv)], (), layout=rows)
             dv_mult = plgpu.load(sc_smem2.at[wg, 2, pl.ds(0, bkv)], (), layout=rows)
@@ -300,7 +302,7 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
                 plgpu.SMEM((slots, bq), jnp.float32), plgpu.SMEM((slots, bq), jnp.float32),
                 plgpu.SMEM((w, 3, width), jnp.float32),
                 plgpu.SMEM((w, bkv, bq), cdt, transforms=TILED) if interpret else None)
-        bars = tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4)) + (plgpu.Barrier(num_barriers=w),)
+        bars = tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4)) + (plgpu.Barrier(num_barriers=3 * w),)
         pl.run_scoped(
             lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dk_ref, dv_ref, scr),
             smem, bars, plgpu.Barrier(num_arrivals=w, num_barriers=slots), collective_axes="wg")
