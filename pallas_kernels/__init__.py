@@ -3,9 +3,10 @@
 * ``pallas_kernels.rope``: rotary embedding of q and k (positions, Llama-3.1 scaling), forward + backward.
 * ``pallas_kernels.swiglu``: ``silu(gate) * up``, forward + backward.
 * ``pallas_kernels.flash_attention``: causal / sliding-window / packed-segment attention with GQA, forward +
-  backward (Pallas Triton backend).
+  backward (Pallas Triton backend; ``backend="mosaic"``: Mosaic GPU kernels for Hopper, plain causal or full
+  attention, in ``flash_attention_mosaic`` and ``flash_attention_mosaic_bwd``).
 
-On CPU the kernels run in Pallas interpret mode (slow, exact)."""
+On CPU the kernels run in Pallas interpret mode (slow, exact; the Mosaic GPU ones need jax >= 0.11)."""
 
 from .flash_attention import flash_attention, flash_attention_reference
 
