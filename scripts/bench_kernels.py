@@ -206,6 +206,8 @@ SWEEP_FWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128
              for w in (4, 8) for st in (2, 3)]
 # Mosaic forward: (block_q per warpgroup, block_k, K/V slots); larger tiles exceed shared memory or registers.
 SWEEP_MOSAIC = [(64, 64, 2), (64, 64, 3), (64, 64, 4), (64, 128, 2)]
+# Mosaic backward (forward at its defaults): (block_q_bwd, block_k_bwd, shared-memory slots).
+SWEEP_MOSAIC_BWD = [(64, 64, 2), (64, 64, 3)]
 SWEEP_BWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128, 128), (32, 64))
              for w in (4, 8) for st in (1, 2)]
 
@@ -222,9 +224,14 @@ def sweep_cases(seq: int, batch: int, iters: int, packed: bool) -> list[dict]:
     grids = [("fwd", SWEEP_FWD), ("fwd+bwd", SWEEP_BWD)]
     if seg is None:
         grids.append(("mosaic fwd", [(bq, bk, None, st) for bq, bk, st in SWEEP_MOSAIC]))
+        grids.append(("mosaic fwd+bwd", [(bq, bk, None, st) for bq, bk, st in SWEEP_MOSAIC_BWD]))
     for mode, grid in grids:
         for bq, bk, w, st in grid:
-            if mode == "mosaic fwd":
+            if mode == "mosaic fwd+bwd":
+                kw = dict(block_q_bwd=bq, block_k_bwd=bk, num_stages_bwd=st, backend="mosaic")
+                fn = _fwd_bwd(lambda q, k, v, kw=kw: flash_attention(q, k, v, causal=True, **kw), (0, 1, 2))
+                flops = 3.5 * flops_fwd
+            elif mode == "mosaic fwd":
                 kw = dict(block_q=bq, block_k=bk, num_stages=st, backend="mosaic")
                 fn = jax.jit(lambda q, k, v, kw=kw: flash_attention(q, k, v, causal=True, **kw))
                 flops = flops_fwd
@@ -265,10 +272,10 @@ def main(argv=None) -> int:
     if args.sweep:
         for seq in args.seq:
             rows = sweep_cases(seq, args.batch, args.iters, args.packed)
-            for mode in ("fwd", "fwd+bwd", "mosaic fwd"):
+            for mode in ("fwd", "fwd+bwd", "mosaic fwd", "mosaic fwd+bwd"):
                 ok = sorted((r for r in rows if r["mode"] == mode and "ms" in r), key=lambda r: r["ms"])
                 for r in ok[:3]:
-                    print(f"best {mode:10s} seq {seq}: block_q {r['block_q']} block_k {r['block_k']} warps "
+                    print(f"best {mode:14s} seq {seq}: block_q {r['block_q']} block_k {r['block_k']} warps "
                           f"{r['num_warps']} stages {r['num_stages']}: {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s")
         return 0
     if not args.json:
