@@ -70,17 +70,26 @@ def main() -> dict:
 
     from jaxtron import config as config_lib
     from jaxtron.train.aot import lower_train_step
-    cfg = config_lib.load(None, ["model.hidden_size=512", "model.num_layers=2", "model.num_heads=4",
-                                 "model.num_kv_heads=2", "model.intermediate_size=1024", "model.vocab_size=1024",
-                                 "model.attention_impl=pallas", "model.rope_impl=pallas", "model.mlp_impl=pallas",
-                                 "data.seq_len=1024", "train.global_batch_size=4", "parallel.data=1",
-                                 "parallel.fsdp=2", "data.reset_at_eod=true"])
-    t0 = time.perf_counter()
-    compiled = lower_train_step(cfg, topo.devices).compile()
-    out["train_step"] = {"seconds": time.perf_counter() - t0,
-                         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                         "triton_calls": compiled.as_text().count("__gpu$xla.gpu.triton")}
+    base = ["model.hidden_size=512", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+            "model.intermediate_size=1024", "model.vocab_size=1024", "data.seq_len=1024",
+            "train.global_batch_size=4", "parallel.data=1", "parallel.fsdp=2"]
+    cfg = config_lib.load(None, base + ["model.attention_impl=pallas", "model.rope_impl=pallas",
+                                        "model.mlp_impl=pallas", "data.reset_at_eod=true"])
+    out["train_step"] = _compile_step(lower_train_step, cfg, topo.devices)
+    # The Mosaic attention kernels in the model, per shard under FSDP (plain causal: no packed documents).
+    cfg = config_lib.load(None, base + ["model.attention_impl=mosaic", "data.reset_at_eod=false",
+                                        "model.dtype=bfloat16"])
+    out["train_step_mosaic"] = _compile_step(lower_train_step, cfg, topo.devices)
     return out
+
+
+def _compile_step(lower_train_step, cfg, devices) -> dict:
+    t0 = time.perf_counter()
+    compiled = lower_train_step(cfg, devices).compile()
+    text = compiled.as_text()
+    return {"seconds": time.perf_counter() - t0, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "triton_calls": text.count("__gpu$xla.gpu.triton"),
+            "mosaic_calls": text.count("custom_call_target=\"mosaic_gpu")}
 
 
 if __name__ == "__main__":

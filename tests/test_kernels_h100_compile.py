@@ -42,5 +42,7 @@ def test_kernels_and_train_step_compile_for_h100():
     assert out["rope"]["triton_calls"] == 4
     assert out["swiglu"]["triton_calls"] == 2
     assert out["train_step"]["triton_calls"] == 9  # the model really runs the kernels, per shard
+    # attention_impl=mosaic: forward, dq and dk/dv kernels in the train step (layers scanned: one body)
+    assert out["train_step_mosaic"]["mosaic_calls"] == 3 and out["train_step_mosaic"]["triton_calls"] == 0
     for name in ("flash_attention", "flash_attention_causal", "flash_attention_mosaic"):
         assert 0 < out[name]["temp_bytes"] < 2**30  # no [seq, seq] score matrix at seq 8192
