@@ -148,6 +148,24 @@ def mma_into(acc, a, b_ref, a_smem=None, then=None):
     return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 
+def visible_kv_blocks(q_end, *, causal: bool, block_kv: int, real_blocks: int):
+    """kv blocks a query range ending (exclusive) at q_end visits: those up to its diagonal under causal masking
+    (traced), every block holding a real key otherwise (a Python int)."""
+    if not causal:
+        return real_blocks
+    return jnp.minimum(lax.div(q_end + (block_kv - 1), jnp.int32(block_kv)), jnp.int32(real_blocks))
+
+
+def kv_visibility(q_base, j, *, block_q: int, block_kv: int, causal: bool, seq_len: int):
+    """Bool [block_q, block_kv] (WGMMA layout) of the keys of kv block j that rows q_base.. see: the causal mask,
+    or without it the real (unpadded) keys."""
+    kv_pos = j * block_kv + plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+    if not causal:
+        return kv_pos < seq_len
+    q_pos = q_base + plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+    return q_pos >= kv_pos
+
+
 def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, batch, kv_head, steps, slots: int,
                 block: int, static: bool):
     """The TMA warpgroup: K/V blocks 0..steps-1 of (batch, kv_head) into `slots` rotating shared-memory slots.
@@ -208,11 +226,7 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
         wg = lax.axis_index("wg")
         cta_base = (n_q_tiles - 1 - lax.axis_index("q_seq")) * (COMPUTE_WGS * bq)   # heaviest tiles first
 
-        def visible_blocks(q_end):
-            """kv blocks a query range ending (exclusive) at q_end visits (a Python int without causal masking)."""
-            if not causal:
-                return real_blocks
-            return jnp.minimum(lax.div(q_end + (bkv - 1), jnp.int32(bkv)), jnp.int32(real_blocks))
+        visible_blocks = functools.partial(visible_kv_blocks, causal=causal, block_kv=bkv, real_blocks=real_blocks)
 
         cta_steps = visible_blocks(cta_base + COMPUTE_WGS * bq)
 
@@ -250,12 +264,7 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
-                    kv_pos = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-                    if causal:
-                        q_pos = q_base + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-                        vis = q_pos >= kv_pos
-                    else:
-                        vis = kv_pos < seq_len
+                    vis = kv_visibility(q_base, j, block_q=bq, block_kv=bkv, causal=causal, seq_len=seq_len)
                     s = jnp.where(vis, s, _NEG)
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)

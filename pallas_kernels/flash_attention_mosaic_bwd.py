@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
-from .flash_attention_mosaic import (COMPUTE_WGS, TILED, kv_producer, mma_into, mm, mosaic_interpret_params,
-                                     row_of)
+from .flash_attention_mosaic import (COMPUTE_WGS, TILED, kv_producer, kv_visibility, mma_into, mm,
+                                     mosaic_interpret_params, row_of, visible_kv_blocks)
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
 
@@ -72,10 +72,7 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
         batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         cta_base = (n_q_tiles - 1 - lax.axis_index("q_seq")) * (COMPUTE_WGS * bq)
 
-        def visible_blocks(q_end):
-            if not causal:
-                return real_blocks
-            return jnp.minimum(lax.div(q_end + (bkv - 1), jnp.int32(bkv)), jnp.int32(real_blocks))
+        visible_blocks = functools.partial(visible_kv_blocks, causal=causal, block_kv=bkv, real_blocks=real_blocks)
 
         cta_steps = visible_blocks(cta_base + COMPUTE_WGS * bq)
 
@@ -109,12 +106,7 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
                 plgpu.barrier_arrive(v_free.at[slot])
                 p = jnp.exp2(s * row_of(c, bkv) - row_of(lse, bkv))
                 if masked:
-                    kv_pos = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-                    if causal:
-                        q_pos = q_base + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-                        vis = q_pos >= kv_pos
-                    else:
-                        vis = kv_pos < seq_len
+                    vis = kv_visibility(q_base, j, block_q=bq, block_kv=bkv, causal=causal, seq_len=seq_len)
                     p = jnp.where(vis, p, 0.0)
                 ds = p * (dp - row_of(delta, bkv))
                 dq = mma_into(dq, ds.astype(cdt), k_smem.at[slot], a_smem)
