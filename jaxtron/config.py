@@ -66,7 +66,7 @@ class ModelConfig:
     attention_impl: str = _f("xla", "Attention: 'xla' (reference, any device), 'cudnn' (GPU), 'pallas' (jaxtron's "
                                     "flash attention; GPU, or interpret mode on CPU: exact but slow) or 'mosaic' "
                                     "(its Mosaic GPU kernels for Hopper; bf16/fp16, head_dim "
-                                    "64 or 128, no packed documents; on CPU interpreted with jax >= 0.11).")
+                                    "64 or 128; on CPU interpreted with jax >= 0.11).")
     rope_impl: str = _f("xla", "Rotary embedding: 'xla' or 'pallas' (fused q/k kernel; interpret mode on CPU).")
     mlp_impl: str = _f("xla", "SwiGLU activation: 'xla' or 'pallas' (fused kernel; interpret mode on CPU).")
     remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
@@ -401,9 +401,6 @@ def validate(cfg: Config) -> Config:
     if m.attention_impl == "mosaic":
         from pallas_kernels.flash_attention_mosaic import MOSAIC_HEAD_DIMS
 
-        _check(not d.reset_at_eod, "model.attention_impl",
-               "'mosaic' has no packed documents (segment ids), which data.reset_at_eod=true needs; "
-               "use 'pallas' or set data.reset_at_eod=false")
         _check(head_dim(m) in MOSAIC_HEAD_DIMS, "model.attention_impl",
                f"'mosaic' supports head_dim {MOSAIC_HEAD_DIMS}, the model has {head_dim(m)}; use 'pallas'")
         _check(m.dtype != "float32", "model.attention_impl",

@@ -56,7 +56,7 @@ Design (Triton backend, `_triton_*`):
       - dq: grid (q_blocks, batch, heads); loop over visible kv blocks (same bounds as the forward).
   * `backend` dispatches through _IMPLS (forward, backward). backend="mosaic" runs the Mosaic GPU kernels of
     `flash_attention_mosaic` (forward) and `flash_attention_mosaic_bwd` (dq, dk/dv) for Hopper: TMA, wgmma,
-    warp specialization; plain causal or full attention, 16-bit inputs, head_dim 64 or 128.
+    warp specialization; causal or full attention, segment ids, 16-bit inputs, head_dim 64 or 128.
   * On CPU the kernels run in Pallas interpret mode (interpret=None selects it automatically).
 """
 
@@ -524,16 +524,16 @@ def _triton_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
 
 def _mosaic_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
     """The Mosaic GPU forward (`flash_attention_mosaic`), same operands and results as `_triton_fwd`."""
-    assert seg is None and cfg.window is None     # refused in flash_attention()
-    return mosaic_forward(q, k, v, sc, causal=cfg.causal, seq_len=cfg.seq_len, block_q=cfg.block_q,
+    assert cfg.window is None                     # refused in flash_attention()
+    return mosaic_forward(q, k, v, sc, seg, causal=cfg.causal, seq_len=cfg.seq_len, block_q=cfg.block_q,
                           block_kv=cfg.block_k, max_steps=cfg.num_stages, out_dtype=out_dtype, residual=residual,
                           interpret=cfg.interpret)
 
 
 def _mosaic_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
     """The Mosaic GPU backward (`flash_attention_mosaic_bwd`), same operands and results as `_triton_bwd`."""
-    assert seg is None and cfg.window is None
-    return mosaic_backward(q, k, v, lse, delta, do, sc, causal=cfg.causal, seq_len=cfg.seq_len,
+    assert cfg.window is None
+    return mosaic_backward(q, k, v, lse, delta, do, sc, seg, causal=cfg.causal, seq_len=cfg.seq_len,
                            block_q=cfg.block_q_bwd, block_kv=cfg.block_k_bwd, slots=cfg.num_stages_bwd,
                            out_dtype=out_dtype, interpret=cfg.interpret)
 
@@ -687,7 +687,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     """Fused attention; q [b, s, h, d], k/v [b, s, kv_h, d] -> [b, s, h, d] in q.dtype. Differentiable in q, k, v.
 
     backend: "triton" (every feature, any dtype) or "mosaic" (Mosaic GPU kernels for Hopper, forward and
-    backward; no segment_ids / sliding_window, bf16 or fp16, head_dim 64 or 128: anything else raises ValueError).
+    backward; segment_ids but no sliding_window, bf16 or fp16, head_dim 64 or 128: anything else raises
+    ValueError).
     Block sizes are powers of two >= 16; None -> 64 / 64 (triton) or 64 / 128 (mosaic, multiples of 64; its
     block_q is per compute warpgroup, two per CTA). Triton blocks are clamped down to the padded seq length.
     block_*_bwd default to the forward ones (triton) or 64 (mosaic: multiples of 64; the dq kernel's CTA covers

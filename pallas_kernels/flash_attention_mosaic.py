@@ -22,8 +22,11 @@ Design (FlashAttention-3's forward structure, written for Pallas' Mosaic GPU dia
     real query. Padded query rows are computed and dropped.
   * GQA: the CTA for query head h loads kv head h // group; K/V are never repeated in memory.
 
-Not in this backend (the wrapper refuses them with a clear error; the Triton backend has them): segment ids,
-sliding windows, fp32 inputs (wgmma has no IEEE fp32 mode), head_dim other than 64 or 128.
+Segment ids (packed documents): each K/V block brings its ids along (a small TMA copy into the same slot);
+every visited block is then masked (same id, and causal), and a row with no visible key gets lse = +inf and
+output 0, as in the Triton kernels (only padded rows can have none).
+
+Not in this backend (the wrapper refuses them with a clear error; the Triton backend has them): sliding windows, fp32 inputs (wgmma has no IEEE fp32 mode), head_dim other than 64 or 128.
 
 Interpret mode: Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`, JAX >= 0.11) has no `run_state` and
 no register operand for wgmma, so with interpret=True P goes through a shared-memory buffer and P V lands in
@@ -68,7 +71,7 @@ def smem_bytes(head_dim: int, block_q: int, block_kv: int, max_steps: int, out_i
     q = COMPUTE_WGS * block_q * head_dim * 2
     out = COMPUTE_WGS * block_q * head_dim * out_itemsize
     kv = 2 * max_steps * block_kv * head_dim * 2
-    stats = COMPUTE_WGS * 3 * block_q * 4
+    stats = COMPUTE_WGS * 4 * block_q * 4 + max_steps * block_kv * 4      # incl. segment ids
     p = COMPUTE_WGS * block_q * block_kv * 2 if interpret else 0
     return q + out + kv + stats + p
 
@@ -77,9 +80,6 @@ def check_mosaic(*, head_dim: int, dtype, segment_ids, sliding_window, block_q: 
                  max_steps: int, interpret: bool, block_q_bwd: int = 64, block_kv_bwd: int = 64,
                  slots_bwd: int = 2) -> None:
     """Raise ValueError naming the argument the Mosaic GPU kernels cannot take."""
-    if segment_ids is not None:
-        raise ValueError("flash_attention(backend='mosaic') has no segment_ids (packed documents); "
-                         "use backend='triton'")
     if sliding_window is not None:
         raise ValueError("flash_attention(backend='mosaic') has no sliding_window; use backend='triton'")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -117,6 +117,11 @@ TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # wgmma 
 def row_of(x, n):
     """[rows] statistics broadcast over a [rows, n] tile."""
     return lax.broadcast_in_dim(x, (x.shape[0], n), [0])
+
+
+def col_of(x, n):
+    """[cols] statistics broadcast over an [n, cols] tile."""
+    return lax.broadcast_in_dim(x, (n, x.shape[0]), [1])
 
 
 def mm(a_ref, b_ref, shape):
@@ -167,15 +172,19 @@ def kv_visibility(q_base, j, *, block_q: int, block_kv: int, causal: bool, seq_l
 
 
 def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, batch, kv_head, steps, slots: int,
-                block: int, static: bool):
+                block: int, static: bool, seg=None):
     """The TMA warpgroup: K/V blocks 0..steps-1 of (batch, kv_head) into `slots` rotating shared-memory slots.
     A slot is refilled once both compute warpgroups have released it (k_free / v_free, two arrivals), and the
     last releases are waited for too, so every barrier phase is observed (the interpreter checks this).
-    static: steps is a Python int."""
+    static: steps is a Python int. seg: (seg_ref [b, sp], seg_smem [slots, block], seg_bar) to bring each
+    block's segment ids along (packed documents)."""
     def load(j, slot):
         blk = (batch, pl.ds(j * block, block), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+        if seg is not None:
+            seg_ref, seg_smem, seg_bar = seg
+            plgpu.copy_gmem_to_smem(seg_ref.at[batch, pl.ds(j * block, block)], seg_smem.at[slot], seg_bar.at[slot])
 
     for i in range(slots):
         if not static:
@@ -197,8 +206,8 @@ def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, b
     lax.fori_loop(jnp.maximum(steps - slots, 0), steps, drain, None)
 
 
-def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, block_kv: int, max_steps: int,
-                   out_dtype, residual: bool, interpret: bool):
+def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q: int, block_kv: int,
+                   max_steps: int, out_dtype, residual: bool, interpret: bool):
     """q [b, sp, h, d], k/v [b, sp, kv_h, d] fp16 (scaled operands), sc [b, kv_h, 2] fp32 (logit multiplier in the
     log2 domain, s_v) -> (out [b, sp, h, d] out_dtype, lse [b, h, sp] fp32 log2 domain[, O / s_v fp16]).
 
@@ -216,11 +225,16 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
     # Per-(batch, head) scalars as rows a TMA copy can bring in: [b, h, 2, block_q] fp32 (c, s_v).
     sc_rows = jnp.broadcast_to(jnp.repeat(sc, group, axis=1)[..., None], (b, h, 2, bq)).astype(jnp.float32)
 
-    def kernel(q_ref, k_ref, v_ref, sc_ref, out_ref, lse_ref, *rest):
-        ores_ref = rest[0] if residual else None
+    has_seg = seg is not None
+
+    def kernel(q_ref, k_ref, v_ref, sc_ref, *rest):
+        seg_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
+        out_ref, lse_ref = rest[:2]
+        ores_ref = rest[2] if residual else None
         scratch = rest[-1]
-        (q_smem2, o_smem2, k_smem, v_smem, sc_smem2, lse_smem2, p_smem2), bars, (k_free, v_free), sched = scratch
-        k_bar, v_bar, q_bar, sc_bar = bars
+        (q_smem2, o_smem2, k_smem, v_smem, sc_smem2, lse_smem2, p_smem2, qseg_smem2, kseg_smem), bars, \
+            (k_free, v_free), sched = scratch
+        k_bar, v_bar, q_bar, sc_bar, qseg_bar, kseg_bar = bars
         batch = lax.axis_index("batch")
         head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -243,8 +257,13 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
             steps = visible_blocks(q_base + bq)
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], q_smem, q_bar.at[wg])
             plgpu.copy_gmem_to_smem(sc_ref.at[batch, head], sc_smem, sc_bar.at[wg])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(seg_ref.at[batch, pl.ds(q_base, bq)], qseg_smem2.at[wg], qseg_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
             plgpu.barrier_wait(sc_bar.at[wg])
+            if has_seg:
+                plgpu.barrier_wait(qseg_bar.at[wg])
+                q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=row_layout)
             c = plgpu.load(sc_smem.at[0], (), layout=row_layout)
             s_v = plgpu.load(sc_smem.at[1], (), layout=row_layout)
             m0 = plgpu.layout_cast(jnp.full((bq,), _NEG, jnp.float32), row_layout)
@@ -265,10 +284,16 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
                     vis = kv_visibility(q_base, j, block_q=bq, block_kv=bkv, causal=causal, seq_len=seq_len)
+                    if has_seg:
+                        plgpu.barrier_wait(kseg_bar.at[slot])
+                        k_seg = plgpu.load(kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                        vis = jnp.logical_and(vis, row_of(q_seg, bkv) == col_of(k_seg, bq))
                     s = jnp.where(vis, s, _NEG)
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s * row_of(c, bkv) - row_of(m_new, bkv))
+                if masked and has_seg:
+                    p = jnp.where(vis, p, 0.0)              # a row may see no key of this block
                 acc = acc * row_of(alpha, d)
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(cdt)
@@ -288,7 +313,9 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
                 return acc, m_new, l
 
             carry = (acc0, m0, l0)
-            if causal:
+            if has_seg:                                     # segment ids mask every block
+                acc, m, l = lax.fori_loop(0, steps, functools.partial(step, masked=True), carry)
+            elif causal:
                 # Blocks strictly below the diagonal need no mask (padded keys only sit in diagonal blocks).
                 full = jnp.minimum(lax.div(q_base, jnp.int32(bkv)), steps)
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
@@ -303,6 +330,8 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
                 slot = lax.rem(j, jnp.int32(n_steps))
                 plgpu.barrier_wait(k_bar.at[slot])          # keeps this warpgroup's barrier phases in step
                 plgpu.barrier_wait(v_bar.at[slot])
+                if has_seg:
+                    plgpu.barrier_wait(kseg_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 rendezvous()
@@ -311,12 +340,16 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
                 lax.fori_loop(steps, cta_steps, release, None)
             pl.when(wg == 0)(rendezvous)
 
+            if has_seg:                                     # rows that saw no key: output 0, lse +inf
+                empty = l == 0.0
+                l = jnp.where(empty, 1.0, l)
             inv_l = 1.0 / l
             o = acc * row_of(inv_l, d)                        # in units of s_v
             o_smem[...] = (o * row_of(s_v, d)).astype(out_dtype)
             if residual:
                 q_smem[...] = o.astype(cdt)                 # the matmuls reading q are done
-            lse_smem[...] = m + jnp.log(l) * _RCP_LN2
+            lse = m + jnp.log(l) * _RCP_LN2
+            lse_smem[...] = jnp.where(empty, jnp.inf, lse) if has_seg else lse
             plgpu.commit_smem()
             rows = (batch, pl.ds(q_base, bq), head)
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows])
@@ -330,9 +363,9 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
             plgpu.set_max_registers(40, action="decrease")
             kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, batch=batch,
                         kv_head=lax.div(head, jnp.int32(group)), steps=cta_steps, slots=n_steps, block=bkv,
-                        static=not causal)
+                        static=not causal, seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None)
 
-    def entry(q_ref, k_ref, v_ref, sc_ref, *outs):
+    def entry(q_ref, k_ref, v_ref, sc_ref, *outs):       # outs: [seg_ref,] out, lse[, o_res]
         tiled = TILED
         smem = (
             plgpu.SMEM((COMPUTE_WGS, bq, d), cdt, transforms=tiled),
@@ -342,9 +375,13 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
             plgpu.SMEM((COMPUTE_WGS, 2, bq), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, bq, bkv), cdt, transforms=tiled) if interpret else None,
+            plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if has_seg else None,
+            plgpu.SMEM((n_steps, bkv), jnp.int32) if has_seg else None,
         )
+        seg_bars = ((plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=n_steps)) if has_seg
+                    else (None, None))
         bars = (plgpu.Barrier(num_barriers=n_steps), plgpu.Barrier(num_barriers=n_steps),
-                plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=COMPUTE_WGS))
+                plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=COMPUTE_WGS), *seg_bars)
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=n_steps),) * 2
         pl.run_scoped(lambda *scr: kernel(q_ref, k_ref, v_ref, sc_ref, *outs, scr),
                       smem, bars, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), collective_axes="wg")
@@ -362,5 +399,5 @@ def mosaic_forward(q, k, v, sc, *, causal: bool, seq_len: int, block_q: int, blo
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **extra,
-    )(q, k, v, sc_rows)
+    )(q, k, v, sc_rows, *([seg] if has_seg else []))
     return tuple(outs)

@@ -3,7 +3,7 @@
 The `backend="mosaic"` backward of `pallas_kernels.flash_attention`, on the same operands and residuals as the
 Triton backward: q, k, v, dO in fp16 (divided by their power-of-two scales), lse [b, h, sp] (log2 domain),
 delta = rowsum(dO * O) [b, h, sp] in the operands' units, sc [b, kv_h, 4] = (logit multiplier, dq, dk, dv
-multipliers). FlashAttention-2's split, with FlashAttention-3's Hopper machinery:
+multipliers), optional segment ids [b, sp] (every visited block is then masked). FlashAttention-2's split, with FlashAttention-3's Hopper machinery:
 
   * dq: one CTA per (head, 2 * block_q query rows, batch); two compute warpgroups of block_q rows and a TMA
     producer streaming K/V blocks through `slots` shared-memory buffers (`flash_attention_mosaic.kv_producer`,
@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
-from .flash_attention_mosaic import (COMPUTE_WGS, TILED, kv_producer, kv_visibility, mma_into, mm,
+from .flash_attention_mosaic import (COMPUTE_WGS, TILED, col_of, kv_producer, kv_visibility, mma_into, mm,
                                      mosaic_interpret_params, row_of, visible_kv_blocks)
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
@@ -42,19 +42,14 @@ def bwd_smem_bytes(head_dim: int, block_q: int, block_kv: int, slots: int, out_i
     """Shared memory of the larger of the two backward kernels."""
     d, w = head_dim, COMPUTE_WGS
     dq = (2 * w * block_q * d * 2 + w * block_q * d * out_itemsize + 2 * slots * block_kv * d * 2
-          + w * 4 * block_q * 4 + (w * block_q * block_kv * 2 if interpret else 0))
+          + w * 5 * block_q * 4 + slots * block_kv * 4 + (w * block_q * block_kv * 2 if interpret else 0))
     dkv = (2 * w * block_kv * d * 2 + 2 * w * block_kv * d * out_itemsize + 2 * slots * block_q * d * 2
-           + 2 * slots * block_q * 4 + w * 3 * max(block_q, block_kv) * 4
-           + (w * block_kv * block_q * 2 if interpret else 0))
+           + 3 * slots * block_q * 4 + w * 4 * max(block_q, block_kv) * 4
+           + (w * block_kv * block_q * 2 if interpret else 0))                # statistics incl. segment ids
     return max(dq, dkv)
 
 
-def _col(x, n):
-    """[cols] statistics broadcast over an [n, cols] tile."""
-    return lax.broadcast_in_dim(x, (n, x.shape[0]), [1])
-
-
-def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret):
+def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret):
     b, sp, h, d = q.shape
     group = h // k.shape[2]
     n_q_tiles = sp // (COMPUTE_WGS * bq)
@@ -65,9 +60,13 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
     # (logit multiplier, dq multiplier) per (batch, head) as TMA-able rows [b, h, 2, bq].
     sc_rows = jnp.broadcast_to(jnp.repeat(sc[..., :2], group, axis=1)[..., None], (b, h, 2, bq))
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dq_ref, scratch):
-        (q_smem2, do_smem2, dq_smem2, k_smem, v_smem, lse_smem2, delta_smem2, sc_smem2, a_smem2), bars, free = scratch
-        k_bar, v_bar, in_bar = bars
+    has_seg = seg is not None
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):
+        seg_ref, dq_ref, scratch = rest if has_seg else (None, *rest)
+        (q_smem2, do_smem2, dq_smem2, k_smem, v_smem, lse_smem2, delta_smem2, sc_smem2, a_smem2, qseg_smem2,
+         kseg_smem), bars, free = scratch
+        k_bar, v_bar, in_bar, kseg_bar = bars
         k_free, v_free = free
         batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         cta_base = (n_q_tiles - 1 - lax.axis_index("q_seq")) * (COMPUTE_WGS * bq)
@@ -88,6 +87,8 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
                       (lse_ref.at[batch, head, pl.ds(q_base, bq)], lse_smem2.at[wg]),
                       (delta_ref.at[batch, head, pl.ds(q_base, bq)], delta_smem2.at[wg]),
                       (sc_ref.at[batch, head], sc_smem2.at[wg]))
+            if has_seg:
+                copies += ((seg_ref.at[batch, pl.ds(q_base, bq)], qseg_smem2.at[wg]),)
             for i, (src, dst) in enumerate(copies):            # all in flight at once, one barrier each
                 plgpu.copy_gmem_to_smem(src, dst, in_bar.at[wg * len(copies) + i])
             for i in range(len(copies)):
@@ -96,6 +97,7 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
             delta = plgpu.load(delta_smem2.at[wg], (), layout=rows)
             c = plgpu.load(sc_smem2.at[wg, 0], (), layout=rows)
             mult = plgpu.load(sc_smem2.at[wg, 1], (), layout=rows)
+            q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=rows) if has_seg else None
 
             def step(j, dq, masked: bool):
                 slot = lax.rem(j, jnp.int32(slots))
@@ -107,6 +109,10 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
                 p = jnp.exp2(s * row_of(c, bkv) - row_of(lse, bkv))
                 if masked:
                     vis = kv_visibility(q_base, j, block_q=bq, block_kv=bkv, causal=causal, seq_len=seq_len)
+                    if has_seg:
+                        plgpu.barrier_wait(kseg_bar.at[slot])
+                        k_seg = plgpu.load(kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                        vis = jnp.logical_and(vis, row_of(q_seg, bkv) == col_of(k_seg, bq))
                     p = jnp.where(vis, p, 0.0)
                 ds = p * (dp - row_of(delta, bkv))
                 dq = mma_into(dq, ds.astype(cdt), k_smem.at[slot], a_smem)
@@ -114,19 +120,24 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
                 return dq
 
             dq = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            if causal:
+            if has_seg:                                     # segment ids mask every block
+                dq = lax.fori_loop(0, steps, functools.partial(step, masked=True), dq)
+            if causal and not has_seg:
                 full = jnp.minimum(lax.div(q_base, jnp.int32(bkv)), steps)
                 dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
                 dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
 
+            if causal:
                 def release(j, _):
                     slot = lax.rem(j, jnp.int32(slots))
                     plgpu.barrier_wait(k_bar.at[slot])
                     plgpu.barrier_wait(v_bar.at[slot])
+                    if has_seg:
+                        plgpu.barrier_wait(kseg_bar.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
                 lax.fori_loop(steps, cta_steps, release, None)
-            else:
+            elif not has_seg:
                 full = real_blocks - 1 if ragged_last else real_blocks
                 dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
                 if ragged_last:
@@ -141,30 +152,33 @@ def _dq(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dty
             plgpu.set_max_registers(40, action="decrease")
             kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, batch=batch,
                         kv_head=lax.div(head, jnp.int32(group)), steps=cta_steps, slots=slots, block=bkv,
-                        static=not causal)
+                        static=not causal, seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dq_ref):
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):   # rest: [seg_ref,] dq_ref
         w = COMPUTE_WGS
         smem = (plgpu.SMEM((w, bq, d), cdt, transforms=TILED), plgpu.SMEM((w, bq, d), cdt, transforms=TILED),
                 plgpu.SMEM((w, bq, d), out_dtype, transforms=TILED),
                 plgpu.SMEM((slots, bkv, d), cdt, transforms=TILED), plgpu.SMEM((slots, bkv, d), cdt, transforms=TILED),
                 plgpu.SMEM((w, bq), jnp.float32), plgpu.SMEM((w, bq), jnp.float32),
                 plgpu.SMEM((w, 2, bq), jnp.float32),
-                plgpu.SMEM((w, bq, bkv), cdt, transforms=TILED) if interpret else None)
+                plgpu.SMEM((w, bq, bkv), cdt, transforms=TILED) if interpret else None,
+                plgpu.SMEM((w, bq), jnp.int32) if has_seg else None,
+                plgpu.SMEM((slots, bkv), jnp.int32) if has_seg else None)
         bars = (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
-                plgpu.Barrier(num_barriers=5 * w))
+                plgpu.Barrier(num_barriers=(6 if has_seg else 5) * w),
+                plgpu.Barrier(num_barriers=slots) if has_seg else None)
         free = (plgpu.Barrier(num_arrivals=w, num_barriers=slots),) * 2
-        pl.run_scoped(lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dq_ref, scr),
+        pl.run_scoped(lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest, scr),
                       smem, bars, free, collective_axes="wg")
 
     extra = {"interpret": mosaic_interpret_params()} if interpret else {}
     return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(q.shape, out_dtype), grid=(h, n_q_tiles, b),
                         grid_names=("heads", "q_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(approx_math=True), **extra,
-                        )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32))
+                        )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32), *([seg] if has_seg else []))
 
 
-def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret):
+def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret):
     b, sp, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
@@ -182,9 +196,12 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
             return 0
         return jnp.minimum(lax.div(key_start, jnp.int32(bq)), jnp.int32(n_qb))
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dk_ref, dv_ref, scratch):
-        (k_smem2, v_smem2, dk_smem2, dv_smem2, q_smem, do_smem, lse_smem, delta_smem, sc_smem2, a_smem2), \
-            (q_bar, do_bar, lse_bar, delta_bar, own_bar), free = scratch
+    has_seg = seg is not None
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):
+        seg_ref, dk_ref, dv_ref, scratch = rest if has_seg else (None, *rest)
+        (k_smem2, v_smem2, dk_smem2, dv_smem2, q_smem, do_smem, lse_smem, delta_smem, sc_smem2, a_smem2,
+         kseg_smem2, qseg_smem), (q_bar, do_bar, lse_bar, delta_bar, own_bar, qseg_bar), free = scratch
         batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
         cta_base = lax.axis_index("kv_seq") * (COMPUTE_WGS * bkv)   # causal: the heaviest (first) tiles first
         cta_i0 = first_q_block(cta_base)
@@ -199,6 +216,8 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
             kv_base = cta_base + wg * bkv
             sl = (batch, pl.ds(kv_base, bkv), kv_head)
             copies = ((k_ref.at[sl], k_smem), (v_ref.at[sl], v_smem), (sc_ref.at[batch, kv_head], sc_smem2.at[wg]))
+            if has_seg:
+                copies += ((seg_ref.at[batch, pl.ds(kv_base, bkv)], kseg_smem2.at[wg]),)
             for i, (src, dst) in enumerate(copies):
                 plgpu.copy_gmem_to_smem(src, dst, own_bar.at[wg * len(copies) + i])
             for i in range(len(copies)):
@@ -206,13 +225,14 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
             c = plgpu.load(sc_smem2.at[wg, 0, pl.ds(0, bq)], (), layout=cols)
             dk_mult = plgpu.load(sc_smem2.at[wg, 1, pl.ds(0, bkv)], (), layout=rows)
             dv_mult = plgpu.load(sc_smem2.at[wg, 2, pl.ds(0, bkv)], (), layout=rows)
+            k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=rows) if has_seg else None
             wg_i0 = first_q_block(kv_base)
             # Query blocks starting at or after kv_base + bkv see every key of this warpgroup: no mask.
             unmasked_from = jnp.minimum(lax.div(kv_base + bkv + (bq - 1), jnp.int32(bq)), jnp.int32(n_qb)) \
                 if causal else 0
 
             def wait_inputs(slot):
-                for bars_ in (q_bar, do_bar, lse_bar, delta_bar):
+                for bars_ in (q_bar, do_bar, lse_bar, delta_bar) + ((qseg_bar,) if has_seg else ()):
                     plgpu.barrier_wait(bars_.at[slot])
 
             def slot_of(g, i):
@@ -224,15 +244,22 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
                 wait_inputs(slot)
                 st = mm(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
                 lse = plgpu.load(lse_smem.at[slot], (), layout=cols)
-                pt = jnp.exp2(st * _col(c, bkv) - _col(lse, bkv))
+                pt = jnp.exp2(st * col_of(c, bkv) - col_of(lse, bkv))
                 if masked:
-                    q_pos = i * bq + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
-                    k_pos = kv_base + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
-                    pt = jnp.where(q_pos >= k_pos, pt, 0.0)
+                    vis = None
+                    if causal:
+                        q_pos = i * bq + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
+                        k_pos = kv_base + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+                        vis = q_pos >= k_pos
+                    if has_seg:
+                        q_seg = plgpu.load(qseg_smem.at[slot], (), layout=cols)
+                        same = row_of(k_seg, bq) == col_of(q_seg, bkv)
+                        vis = same if vis is None else jnp.logical_and(vis, same)
+                    pt = jnp.where(vis, pt, 0.0)
                 dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], a_smem)
                 dpt = mm(v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq))
                 delta = plgpu.load(delta_smem.at[slot], (), layout=cols)
-                dst = pt * (dpt - _col(delta, bkv))
+                dst = pt * (dpt - col_of(delta, bkv))
                 dk = mma_into(dk, dst.astype(cdt), q_smem.at[slot], a_smem)
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
@@ -245,6 +272,9 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
             def head_body(g, carry):
                 if causal:
                     lax.fori_loop(cta_i0, wg_i0, functools.partial(release, g=g), None)
+                if has_seg:                         # segment ids mask every block
+                    return lax.fori_loop(wg_i0, n_qb, functools.partial(step, g=g, masked=True), carry)
+                if causal:
                     carry = lax.fori_loop(wg_i0, unmasked_from, functools.partial(step, g=g, masked=True), carry)
                 return lax.fori_loop(unmasked_from, n_qb, functools.partial(step, g=g, masked=False), carry)
 
@@ -271,6 +301,9 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
                 plgpu.copy_gmem_to_smem(do_ref.at[blk], do_smem.at[slot], do_bar.at[slot])
                 plgpu.copy_gmem_to_smem(lse_ref.at[stat], lse_smem.at[slot], lse_bar.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[stat], delta_smem.at[slot], delta_bar.at[slot])
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(seg_ref.at[batch, pl.ds(i * bq, bq)], qseg_smem.at[slot],
+                                            qseg_bar.at[slot])
 
             for s in range(slots):
                 pl.when(s < total)(functools.partial(load, jnp.int32(s), s))
@@ -285,7 +318,7 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
                 plgpu.barrier_wait(free.at[lax.rem(t, jnp.int32(slots))])
             lax.fori_loop(jnp.maximum(total - slots, 0), total, drain, None)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dk_ref, dv_ref):
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):   # rest: [seg_ref,] dk, dv
         w = COMPUTE_WGS
         smem = (plgpu.SMEM((w, bkv, d), cdt, transforms=TILED), plgpu.SMEM((w, bkv, d), cdt, transforms=TILED),
                 plgpu.SMEM((w, bkv, d), out_dtype, transforms=TILED),
@@ -293,10 +326,14 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
                 plgpu.SMEM((slots, bq, d), cdt, transforms=TILED), plgpu.SMEM((slots, bq, d), cdt, transforms=TILED),
                 plgpu.SMEM((slots, bq), jnp.float32), plgpu.SMEM((slots, bq), jnp.float32),
                 plgpu.SMEM((w, 3, width), jnp.float32),
-                plgpu.SMEM((w, bkv, bq), cdt, transforms=TILED) if interpret else None)
-        bars = tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4)) + (plgpu.Barrier(num_barriers=3 * w),)
+                plgpu.SMEM((w, bkv, bq), cdt, transforms=TILED) if interpret else None,
+                plgpu.SMEM((w, bkv), jnp.int32) if has_seg else None,
+                plgpu.SMEM((slots, bq), jnp.int32) if has_seg else None)
+        bars = (tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4))
+                + (plgpu.Barrier(num_barriers=(4 if has_seg else 3) * w),
+                   plgpu.Barrier(num_barriers=slots) if has_seg else None))
         pl.run_scoped(
-            lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, dk_ref, dv_ref, scr),
+            lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest, scr),
             smem, bars, plgpu.Barrier(num_arrivals=w, num_barriers=slots), collective_axes="wg")
 
     extra = {"interpret": mosaic_interpret_params()} if interpret else {}
@@ -304,20 +341,20 @@ def _dkv(q, k, v, do, lse, delta, sc, *, causal, seq_len, bq, bkv, slots, out_dt
     return plgpu.kernel(entry, out_type=(kv_type, kv_type), grid=(kvh, n_kv_tiles, b),
                         grid_names=("kv_heads", "kv_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(approx_math=True), **extra,
-                        )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32))
+                        )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32), *([seg] if has_seg else []))
 
 
-def mosaic_backward(q, k, v, lse, delta, do, sc, *, causal: bool, seq_len: int, block_q: int, block_kv: int,
+def mosaic_backward(q, k, v, lse, delta, do, sc, seg=None, *, causal: bool, seq_len: int, block_q: int, block_kv: int,
                     slots: int, out_dtype, interpret: bool):
     """-> (dq, dk, dv) in out_dtype. sp must be a multiple of 2 * block_q and 2 * block_kv."""
     sp = q.shape[1]
     assert sp % (COMPUTE_WGS * block_q) == 0 and sp % (COMPUTE_WGS * block_kv) == 0, (sp, block_q, block_kv)
     kw = dict(causal=causal, seq_len=seq_len, bq=block_q, bkv=block_kv, slots=slots, out_dtype=out_dtype,
               interpret=interpret)
-    dq = _dq(q, k, v, do, lse, delta, sc, **kw)
+    dq = _dq(q, k, v, do, lse, delta, sc, seg, **kw)
     if interpret:
         # Mosaic GPU's interpreter simulates one GPU in global state: two kernels interpreted at once (XLA runs
         # independent ops concurrently) deadlock. Make dk/dv wait for dq.
-        dq, q, k, v, do, lse, delta, sc = lax.optimization_barrier((dq, q, k, v, do, lse, delta, sc))
-    dk, dv = _dkv(q, k, v, do, lse, delta, sc, **kw)
+        dq, q, k, v, do, lse, delta, sc, seg = lax.optimization_barrier((dq, q, k, v, do, lse, delta, sc, seg))
+    dk, dv = _dkv(q, k, v, do, lse, delta, sc, seg, **kw)
     return dq, dk, dv

@@ -9,7 +9,7 @@ forward+backward (gradient of the sum w.r.t. every input) after a warm-up; the m
 Attention TFLOP/s count the causal half of the score matrix: 4 * b * s^2/2 * heads * head_dim forward
 (two matmuls), 3.5x that for forward+backward (the backward has five), as FlashAttention's papers count.
 ``--impls``: pallas (the Triton kernels), mosaic (flash_attention(backend="mosaic"): the Mosaic GPU kernels for
-Hopper, forward and backward; no packed documents), xla (the jnp reference), cudnn.
+Hopper, forward and backward), xla (the jnp reference), cudnn.
 ``--packed`` also runs each attention with 4 packed documents per row (segment ids; cuDNN gets the
 equivalent dense mask, which is what jaxtron's 'cudnn' attention does). ``--check`` compares the compiled
 kernels' outputs and gradients on random inputs (relative Frobenius error) with the reference run on the same

@@ -21,6 +21,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import KERNEL_TOL, lower_for_cuda, rel_error
+from test_kernels_flash_attention import _segments
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 from pallas_kernels.flash_attention_mosaic import smem_bytes
 
@@ -61,16 +62,24 @@ CASES = [
     ("f16-mha-full-d64-s72-bwd128x64", 6, 1, 72, 2, 2, 64, jnp.float16, False,
      {"block_q_bwd": 128, "block_k_bwd": 64}),
 ]
+# Packed documents (segment ids: 2-4 documents per row, random cut points), causal or not, GQA, ragged.
+SEG_CASES = [
+    ("bf16-gqa2-causal-seg-d64-s200", 11, 2, 200, 4, 2, 64, jnp.bfloat16, True, {}),
+    ("bf16-gqa4-full-seg-d128-s72", 12, 1, 72, 4, 1, 128, jnp.bfloat16, False, {}),
+    ("f16-mha-causal-seg-d64-s384-3slots", 13, 1, 384, 2, 2, 64, jnp.float16, True,
+     {"block_k": 64, "num_stages": 3, "num_stages_bwd": 3}),
+]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES + SEG_CASES, ids=[c[0] for c in CASES + SEG_CASES])
 def test_mosaic_forward_and_gradients_match_reference(case):
-    _, seed, batch, seq, heads, kv_heads, head_dim, dtype, causal, kw = case
+    name, seed, batch, seq, heads, kv_heads, head_dim, dtype, causal, kw = case
     q, k, v, do = _inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype)
-    ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic", interpret=True,
-                                                     **kw))(q, k, v, do)
-    ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, causal=causal))(q, k, v, do)
+    seg = _segments(np.random.default_rng(seed), batch, seq) if "-seg-" in name else None
+    ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=seg, backend="mosaic",
+                                                     interpret=True, **kw))(q, k, v, do)
+    ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, causal=causal, segment_ids=seg))(q, k, v, do)
     errs = {}
     for name, a, r, like in zip(("out", "dq", "dk", "dv"), ours, ref, (q, q, k, v)):
         assert a.shape == like.shape and a.dtype == dtype, (name, a.shape, a.dtype)
@@ -99,20 +108,24 @@ def test_mosaic_forward_equals_triton_forward_residuals():
     assert rel_error(r_m, r_t) < 1e-3 and rel_error(o_m, o_t) < 4e-3
 
 
-@pytest.mark.parametrize("causal,seq,head_dim", [(True, 8192, 128), (False, 2048, 64)],
-                         ids=["causal-s8192-d128", "full-s2048-d64"])
-def test_mosaic_lowers_for_cuda_llama3_8b(causal, seq, head_dim):
+@pytest.mark.parametrize("causal,seq,head_dim,packed", [(True, 8192, 128, False), (False, 2048, 64, False),
+                                                        (True, 8192, 128, True)],
+                         ids=["causal-s8192-d128", "full-s2048-d64", "causal-packed-s8192-d128"])
+def test_mosaic_lowers_for_cuda_llama3_8b(causal, seq, head_dim, packed):
     S = jax.ShapeDtypeStruct
     q, kv = S((1, seq, 32, head_dim), jnp.bfloat16), S((1, seq, 8, head_dim), jnp.bfloat16)
-    fwd = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic", interpret=False)
-    text = lower_for_cuda(fwd, q, kv, kv)
+    seg = S((1, seq), jnp.int32) if packed else None
+
+    def fwd(q, k, v, s):
+        return flash_attention(q, k, v, causal=causal, segment_ids=s, backend="mosaic", interpret=False)
+    text = lower_for_cuda(fwd, q, kv, kv, seg)
     assert len(MOSAIC_CALL.findall(text)) == 1 and TRITON not in text
 
-    def fwd_bwd(q, k, v, do):
-        out, vjp = jax.vjp(fwd, q, k, v)
+    def fwd_bwd(q, k, v, s, do):
+        out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, s), q, k, v)
         return out, vjp(do)
 
-    text = lower_for_cuda(fwd_bwd, q, kv, kv, q)
+    text = lower_for_cuda(fwd_bwd, q, kv, kv, seg, q)
     assert len(MOSAIC_CALL.findall(text)) == 3 and TRITON not in text      # forward, dq, dk/dv
 
 
@@ -126,9 +139,7 @@ def test_mosaic_lowering_rejects_shared_memory_overflow_before_launch():
 
 def test_mosaic_validation():
     q, kv = jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-    seg = jnp.zeros((1, 128), jnp.int32)
     cases = [
-        (dict(segment_ids=seg), "no segment_ids"),
         (dict(sliding_window=16), "no sliding_window"),
         (dict(block_q=32), "block_q must be a multiple of 64"),
         (dict(block_q=128, block_k=64), r"block_k \(64\) must be >= block_q \(128\)"),

@@ -35,17 +35,18 @@ def test_pallas_kernels_train_like_xla_on_a_2x2x2_mesh():
 
 
 
-MOSAIC_MODEL = ("model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2", "data.reset_at_eod=false",
+MOSAIC_MODEL = ("model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2", "data.reset_at_eod=true",
                 "model.dtype=bfloat16")
 
 
 @pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
                     reason=f"Mosaic GPU interpret mode is public from jax 0.11 (this is {jax.__version__})")
 def test_mosaic_attention_trains_like_pallas():
-    """model.attention_impl=mosaic (head_dim 64, bf16) against the Triton kernels: both compute on the same fp16
-    operands and residuals, and differ by rounding. One device: Mosaic GPU's interpreter keeps one global simulated GPU,
-    so kernels interpreted concurrently on several CPU devices (a mesh) trip over each other's barriers; on GPUs
-    the kernel runs per shard through the same `per_shard` wrapper as 'pallas', tested on a mesh above."""
+    """model.attention_impl=mosaic (head_dim 64, bf16, two packed documents per row) against the Triton kernels:
+    both compute on the same fp16 operands and residuals, and differ by rounding. One device: Mosaic GPU's
+    interpreter keeps one global simulated GPU, so kernels interpreted concurrently on several CPU devices (a
+    mesh) trip over each other's barriers; on GPUs the kernel runs per shard through the same `per_shard`
+    wrapper as 'pallas', tested on a mesh above."""
     ref = _losses_and_grad_norms(tiny_config("parallel.data=1", *MOSAIC_MODEL, "model.attention_impl=pallas"),
                                  jax.devices()[:1])
     got = _losses_and_grad_norms(tiny_config("parallel.data=1", *MOSAIC_MODEL, "model.attention_impl=mosaic"),

@@ -1,7 +1,6 @@
 """Attention dispatch: 'xla' (plain jnp reference, any device), 'cudnn' (jax.nn.dot_product_attention),
 'pallas' (``pallas_kernels.flash_attention``, run per shard: batch and heads split as the rules say, the
-sequence whole) or 'mosaic' (the same with ``backend="mosaic"``: the Mosaic GPU kernels for Hopper; no packed
-documents, which the config refuses).
+sequence whole) or 'mosaic' (the same with ``backend="mosaic"``: the Mosaic GPU kernels for Hopper).
 
 q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; causal; ``segment_ids``
 [batch, seq] (equal ids attend to each other: packed documents) or None. Softmax statistics are fp32.
