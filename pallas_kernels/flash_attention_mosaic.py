@@ -171,6 +171,22 @@ def kv_visibility(q_base, j, *, block_q: int, block_kv: int, causal: bool, seq_l
     return q_pos >= kv_pos
 
 
+def over_kv_blocks(step, carry, *, steps, q_base, causal: bool, has_seg: bool, block_kv: int, seq_len: int):
+    """carry through `step(j, carry, masked)` for kv blocks 0..steps-1 of a query tile starting at q_base, in
+    order, masking only where needed: every block with segment ids; under causal masking the blocks reaching
+    the diagonal (padded keys only sit there); otherwise the last block when it holds padded keys."""
+    if has_seg:
+        return lax.fori_loop(0, steps, functools.partial(step, masked=True), carry)
+    if causal:
+        full = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), steps)
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+        return lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+    ragged_last = seq_len % block_kv != 0
+    full = steps - 1 if ragged_last else steps
+    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+    return step(jnp.int32(full), carry, masked=True) if ragged_last else carry
+
+
 def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, batch, kv_head, steps, slots: int,
                 block: int, static: bool, seg=None):
     """The TMA warpgroup: K/V blocks 0..steps-1 of (batch, kv_head) into `slots` rotating shared-memory slots.
@@ -219,7 +235,6 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
     assert sp % (COMPUTE_WGS * bq) == 0 and sp % bkv == 0, (sp, bq, bkv)
     n_q_tiles = sp // (COMPUTE_WGS * bq)
     real_blocks = cdiv(seq_len, bkv)                 # kv blocks holding at least one real key
-    ragged_last = seq_len % bkv != 0                 # the last of them also holds padded keys
     cdt = q.dtype
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     # Per-(batch, head) scalars as rows a TMA copy can bring in: [b, h, 2, block_q] fp32 (c, s_v).
@@ -312,19 +327,8 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
-            carry = (acc0, m0, l0)
-            if has_seg:                                     # segment ids mask every block
-                acc, m, l = lax.fori_loop(0, steps, functools.partial(step, masked=True), carry)
-            elif causal:
-                # Blocks strictly below the diagonal need no mask (padded keys only sit in diagonal blocks).
-                full = jnp.minimum(lax.div(q_base, jnp.int32(bkv)), steps)
-                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-                acc, m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
-            else:
-                full = real_blocks - 1 if ragged_last else real_blocks
-                acc, m, l = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-                if ragged_last:
-                    acc, m, l = step(jnp.int32(full), (acc, m, l), masked=True)
+            acc, m, l = over_kv_blocks(step, (acc0, m0, l0), steps=steps, q_base=q_base, causal=causal,
+                                       has_seg=has_seg, block_kv=bkv, seq_len=seq_len)
 
             def release(j, _):                              # blocks only the other warpgroup needs
                 slot = lax.rem(j, jnp.int32(n_steps))
@@ -366,15 +370,14 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
                         static=not causal, seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None)
 
     def entry(q_ref, k_ref, v_ref, sc_ref, *outs):       # outs: [seg_ref,] out, lse[, o_res]
-        tiled = TILED
         smem = (
-            plgpu.SMEM((COMPUTE_WGS, bq, d), cdt, transforms=tiled),
-            plgpu.SMEM((COMPUTE_WGS, bq, d), out_dtype, transforms=tiled),
-            plgpu.SMEM((n_steps, bkv, d), cdt, transforms=tiled),
-            plgpu.SMEM((n_steps, bkv, d), cdt, transforms=tiled),
+            plgpu.SMEM((COMPUTE_WGS, bq, d), cdt, transforms=TILED),
+            plgpu.SMEM((COMPUTE_WGS, bq, d), out_dtype, transforms=TILED),
+            plgpu.SMEM((n_steps, bkv, d), cdt, transforms=TILED),
+            plgpu.SMEM((n_steps, bkv, d), cdt, transforms=TILED),
             plgpu.SMEM((COMPUTE_WGS, 2, bq), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
-            plgpu.SMEM((COMPUTE_WGS, bq, bkv), cdt, transforms=tiled) if interpret else None,
+            plgpu.SMEM((COMPUTE_WGS, bq, bkv), cdt, transforms=TILED) if interpret else None,
             plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if has_seg else None,
             plgpu.SMEM((n_steps, bkv), jnp.int32) if has_seg else None,
         )

@@ -32,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
 from .flash_attention_mosaic import (COMPUTE_WGS, TILED, col_of, kv_producer, kv_visibility, mma_into, mm,
-                                     mosaic_interpret_params, row_of, visible_kv_blocks)
+                                     mosaic_interpret_params, over_kv_blocks, row_of, visible_kv_blocks)
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
 
@@ -54,7 +54,6 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
     group = h // k.shape[2]
     n_q_tiles = sp // (COMPUTE_WGS * bq)
     real_blocks = cdiv(seq_len, bkv)
-    ragged_last = seq_len % bkv != 0
     cdt = q.dtype
     rows = plgpu.Layout.WGMMA.reduce(1)
     # (logit multiplier, dq multiplier) per (batch, head) as TMA-able rows [b, h, 2, bq].
@@ -120,13 +119,8 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
                 return dq
 
             dq = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            if has_seg:                                     # segment ids mask every block
-                dq = lax.fori_loop(0, steps, functools.partial(step, masked=True), dq)
-            if causal and not has_seg:
-                full = jnp.minimum(lax.div(q_base, jnp.int32(bkv)), steps)
-                dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
-                dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
-
+            dq = over_kv_blocks(step, dq, steps=steps, q_base=q_base, causal=causal, has_seg=has_seg, block_kv=bkv,
+                                seq_len=seq_len)
             if causal:
                 def release(j, _):
                     slot = lax.rem(j, jnp.int32(slots))
@@ -137,11 +131,6 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
                 lax.fori_loop(steps, cta_steps, release, None)
-            elif not has_seg:
-                full = real_blocks - 1 if ragged_last else real_blocks
-                dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
-                if ragged_last:
-                    dq = step(jnp.int32(full), dq, masked=True)
             dq_smem[...] = (dq * row_of(mult, d)).astype(out_dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[sl])
