@@ -55,7 +55,8 @@ Design (Triton backend, `_triton_*`):
         group sum happens in registers and dk/dv are written once, in the input dtype.
       - dq: grid (q_blocks, batch, heads); loop over visible kv blocks (same bounds as the forward).
   * `backend` dispatches through _IMPLS (forward, backward). backend="mosaic" runs the Mosaic GPU kernels of
-    `flash_attention_mosaic` (forward) and `flash_attention_mosaic_bwd` (dq, dk/dv) for Hopper: TMA, wgmma,
+    `flash_attention_mosaic` (forward) and `flash_attention_mosaic_bwd` (dk/dv with dq fused in by TMA
+    reduce-add, or dq and dk/dv kernels with fuse_dq=False) for Hopper: TMA, wgmma,
     warp specialization; causal or full attention, segment ids, 16-bit inputs, head_dim 64 or 128.
   * On CPU the kernels run in Pallas interpret mode (interpret=None selects it automatically).
 """
@@ -152,6 +153,7 @@ class _Config:
     num_warps_bwd: int
     num_stages_bwd: int
     interpret: bool
+    fuse_dq: bool = False  # mosaic: dq from the dk/dv kernel (TMA reduce-add) instead of a dq kernel
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -535,7 +537,7 @@ def _mosaic_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
     assert cfg.window is None
     return mosaic_backward(q, k, v, lse, delta, do, sc, seg, causal=cfg.causal, seq_len=cfg.seq_len,
                            block_q=cfg.block_q_bwd, block_kv=cfg.block_k_bwd, slots=cfg.num_stages_bwd,
-                           out_dtype=out_dtype, interpret=cfg.interpret)
+                           out_dtype=out_dtype, interpret=cfg.interpret, fuse_dq=cfg.fuse_dq)
 
 
 # backend -> (forward, backward); both backends' kernels share the residuals (log2-domain log-sum-exp, O / s_v).
@@ -683,7 +685,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
                     block_q: int | None = None, block_k: int | None = None, block_q_bwd: int | None = None,
                     block_k_bwd: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
-                    interpret: bool | None = None, backend: str = "triton"):
+                    interpret: bool | None = None, backend: str = "triton", fuse_dq: bool | None = None):
     """Fused attention; q [b, s, h, d], k/v [b, s, kv_h, d] -> [b, s, h, d] in q.dtype. Differentiable in q, k, v.
 
     backend: "triton" (every feature, any dtype) or "mosaic" (Mosaic GPU kernels for Hopper, forward and
@@ -696,10 +698,16 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     Mosaic forward's K/V shared-memory slots; None -> 3 (triton) or 2 (mosaic). num_warps=None -> 4.
     num_warps_bwd / num_stages_bwd: the Triton backward's launch settings (default num_warps / 2); for mosaic
     num_stages_bwd is the backward kernels' shared-memory slots (default 2).
+    fuse_dq (mosaic only; None -> True): dq is computed in the dk/dv kernel and added into an fp32 accumulator
+    by TMA reduce-add (FlashAttention-3's backward: 5 matmuls per block pair, not 7; dq's summation order is then
+    not deterministic); False runs a separate dq kernel (deterministic).
     interpret=None -> interpret mode on the CPU backend (Mosaic GPU's interpreter needs jax >= 0.11).
     See the module docstring for masking semantics.
     """
     check_backend(backend, _IMPLS, "flash_attention")
+    if fuse_dq is not None and (backend != "mosaic" or not isinstance(fuse_dq, bool)):
+        raise ValueError(f"fuse_dq is a bool option of backend='mosaic' (None there means True), got "
+                         f"fuse_dq={fuse_dq!r} with backend={backend!r}")
     _validate(q, k, v, segment_ids, softmax_scale, sliding_window,
               {"block_q": block_q, "block_k": block_k, "block_q_bwd": block_q_bwd, "block_k_bwd": block_k_bwd})
     if num_stages is not None and (not isinstance(num_stages, int) or isinstance(num_stages, bool)
@@ -719,7 +727,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
         bqb, bkb = block_q_bwd or 64, block_k_bwd or 64          # not clamped either
         check_mosaic(head_dim=d, dtype=q.dtype, segment_ids=segment_ids, sliding_window=sliding_window,
                      block_q=block_q, block_kv=block_k, max_steps=num_stages, interpret=interpret,
-                     block_q_bwd=bqb, block_kv_bwd=bkb, slots_bwd=stages_bwd)
+                     block_q_bwd=bqb, block_kv_bwd=bkb, slots_bwd=stages_bwd, fuse_dq=fuse_dq is not False)
         bq, bk = block_q, block_k                   # not clamped: a CTA covers 2 * block_q rows
         multiple = max(2 * bq, bk, 2 * bqb, 2 * bkb)
     else:
@@ -735,6 +743,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
         num_warps_bwd=num_warps_bwd if num_warps_bwd is not None else warps,
         num_stages_bwd=stages_bwd,
         interpret=interpret,
+        fuse_dq=backend == "mosaic" and fuse_dq is not False,
     )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     if sp != s:

@@ -78,7 +78,7 @@ def smem_bytes(head_dim: int, block_q: int, block_kv: int, max_steps: int, out_i
 
 def check_mosaic(*, head_dim: int, dtype, segment_ids, sliding_window, block_q: int, block_kv: int,
                  max_steps: int, interpret: bool, block_q_bwd: int = 64, block_kv_bwd: int = 64,
-                 slots_bwd: int = 2) -> None:
+                 slots_bwd: int = 2, fuse_dq: bool = True) -> None:
     """Raise ValueError naming the argument the Mosaic GPU kernels cannot take."""
     if sliding_window is not None:
         raise ValueError("flash_attention(backend='mosaic') has no sliding_window; use backend='triton'")
@@ -104,14 +104,17 @@ def check_mosaic(*, head_dim: int, dtype, segment_ids, sliding_window, block_q: 
                          f"(H100: {_SMEM_BYTES}); lower block_k or num_stages")
     from .flash_attention_mosaic_bwd import bwd_smem_bytes
 
-    need = bwd_smem_bytes(head_dim, block_q_bwd, block_kv_bwd, slots_bwd, jnp.dtype(dtype).itemsize, interpret)
+    need = bwd_smem_bytes(head_dim, block_q_bwd, block_kv_bwd, slots_bwd, jnp.dtype(dtype).itemsize, interpret,
+                          fuse_dq)
     if need > _SMEM_BYTES:
         raise ValueError(f"flash_attention(backend='mosaic'): block_q_bwd={block_q_bwd}, block_k_bwd={block_kv_bwd}, "
-                         f"num_stages_bwd={slots_bwd} at head_dim {head_dim} need {need} bytes of shared memory "
-                         f"(H100: {_SMEM_BYTES}); lower the backward blocks or num_stages_bwd")
+                         f"num_stages_bwd={slots_bwd}{', fuse_dq' if fuse_dq else ''} at head_dim {head_dim} need {need} "
+                         f"bytes of shared memory (H100: {_SMEM_BYTES}); lower the backward blocks or "
+                         f"num_stages_bwd")
 
 
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # wgmma operand layout in shared memory
+TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # the same 128-byte swizzle for fp32
 
 
 def row_of(x, n):
@@ -150,6 +153,17 @@ def mma_into(acc, a, b_ref, a_smem=None, then=None):
         plgpu.wgmma(acc_ref, a, b_ref)
         if then is not None:
             then()
+    return pl.run_state(in_place)(plgpu.ACC.init(acc))
+
+
+def mma_smem_into(acc, a_ref, b_ref, interpret: bool):
+    """acc + a_ref @ b_ref with both operands in shared memory: in place on hardware, a fresh product added to acc
+    in interpret mode (no `run_state` there)."""
+    if interpret:
+        return acc + mm(a_ref, b_ref, acc.shape)
+
+    def in_place(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref, b_ref)
     return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 

@@ -183,9 +183,13 @@ def check_cases(seq: int, batch: int) -> list[dict]:
     k = jax.random.normal(ks[1], (batch, seq, kv, d))
     v = jax.random.normal(ks[2], (batch, seq, kv, d))
     seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None].repeat(batch, 0)
-    compare("attention", "causal mosaic",
-            lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic"),
-            lambda q, k, v: flash_attention_reference(q, k, v, causal=True), [q, k, v], jnp.bfloat16)
+    for name, sg, fuse in (("causal mosaic", None, True), ("causal mosaic dq-kernel", None, False),
+                           ("packed mosaic", seg, True)):
+        compare("attention", name,
+                lambda q, k, v, sg=sg, fuse=fuse: flash_attention(q, k, v, causal=True, segment_ids=sg,
+                                                                  backend="mosaic", fuse_dq=fuse),
+                lambda q, k, v, sg=sg: flash_attention_reference(q, k, v, causal=True, segment_ids=sg), [q, k, v],
+                jnp.bfloat16)
     for dtype in (jnp.bfloat16, jnp.float32):
         for name, sg in (("causal", None), ("causal packed", seg)):
             compare("attention", name, lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=sg),
@@ -206,8 +210,10 @@ SWEEP_FWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128
              for w in (4, 8) for st in (2, 3)]
 # Mosaic forward: (block_q per warpgroup, block_k, K/V slots); larger tiles exceed shared memory or registers.
 SWEEP_MOSAIC = [(64, 64, 2), (64, 64, 3), (64, 64, 4), (64, 128, 2)]
-# Mosaic backward (forward at its defaults): (block_q_bwd, block_k_bwd, shared-memory slots).
-SWEEP_MOSAIC_BWD = [(64, 64, 2), (64, 64, 3)]
+# Mosaic backward (forward at its defaults): (block_q_bwd, block_k_bwd, shared-memory slots), with dq fused into
+# the dk/dv kernel (the default; three slots exceed shared memory there) and with a dq kernel of its own.
+SWEEP_MOSAIC_BWD = [(64, 64, 2)]
+SWEEP_MOSAIC_BWD_DQ_KERNEL = [(64, 64, 2), (64, 64, 3)]
 SWEEP_BWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128, 128), (32, 64))
              for w in (4, 8) for st in (1, 2)]
 
@@ -225,10 +231,12 @@ def sweep_cases(seq: int, batch: int, iters: int, packed: bool) -> list[dict]:
     if seg is None:
         grids.append(("mosaic fwd", [(bq, bk, None, st) for bq, bk, st in SWEEP_MOSAIC]))
         grids.append(("mosaic fwd+bwd", [(bq, bk, None, st) for bq, bk, st in SWEEP_MOSAIC_BWD]))
+        grids.append(("mosaic fwd+bwd dqk", [(bq, bk, None, st) for bq, bk, st in SWEEP_MOSAIC_BWD_DQ_KERNEL]))
     for mode, grid in grids:
         for bq, bk, w, st in grid:
-            if mode == "mosaic fwd+bwd":
-                kw = dict(block_q_bwd=bq, block_k_bwd=bk, num_stages_bwd=st, backend="mosaic")
+            if mode.startswith("mosaic fwd+bwd"):
+                kw = dict(block_q_bwd=bq, block_k_bwd=bk, num_stages_bwd=st, backend="mosaic",
+                          fuse_dq=mode == "mosaic fwd+bwd")
                 fn = _fwd_bwd(lambda q, k, v, kw=kw: flash_attention(q, k, v, causal=True, **kw), (0, 1, 2))
                 flops = 3.5 * flops_fwd
             elif mode == "mosaic fwd":
@@ -267,15 +275,15 @@ def main(argv=None) -> int:
         rows = [r for seq in args.seq for r in check_cases(seq, args.batch)]
         for r in rows:
             errs = "  ".join(f"{k} {v:.2e}" for k, v in r.items() if k not in ("kernel", "case", "dtype", "seq"))
-            print(f"check {r['kernel']:9s} {r['case']:14s} {r['dtype']:8s} seq {r['seq']:5d}  {errs}")
+            print(f"check {r['kernel']:9s} {r['case']:24s} {r['dtype']:8s} seq {r['seq']:5d}  {errs}")
         return 0
     if args.sweep:
         for seq in args.seq:
             rows = sweep_cases(seq, args.batch, args.iters, args.packed)
-            for mode in ("fwd", "fwd+bwd", "mosaic fwd", "mosaic fwd+bwd"):
+            for mode in ("fwd", "fwd+bwd", "mosaic fwd", "mosaic fwd+bwd", "mosaic fwd+bwd dqk"):
                 ok = sorted((r for r in rows if r["mode"] == mode and "ms" in r), key=lambda r: r["ms"])
                 for r in ok[:3]:
-                    print(f"best {mode:14s} seq {seq}: block_q {r['block_q']} block_k {r['block_k']} warps "
+                    print(f"best {mode:18s} seq {seq}: block_q {r['block_q']} block_k {r['block_k']} warps "
                           f"{r['num_warps']} stages {r['num_stages']}: {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s")
         return 0
     if not args.json:

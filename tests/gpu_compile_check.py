@@ -56,6 +56,12 @@ def main() -> dict:
         return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
     out["flash_attention_mosaic"] = _compile(attn_mosaic, q, k, k)
 
+    def attn_mosaic_dq_kernel(q, k, v):   # ... with the separate dq kernel
+        f = lambda q, k, v: flash_attention(q, k, v, backend="mosaic", interpret=False,
+                                            fuse_dq=False).astype(jnp.float32).sum()
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+    out["flash_attention_mosaic_dq_kernel"] = _compile(attn_mosaic_dq_kernel, q, k, k)
+
     pos, inv = spec((b, s), jnp.int32), spec((d // 2,), jnp.float32)
 
     def rope(q, k, pos, inv):

@@ -1,4 +1,5 @@
-"""flash_attention(backend="mosaic"): the Mosaic GPU (Hopper) forward and backward (dq, dk/dv) kernels.
+"""flash_attention(backend="mosaic"): the Mosaic GPU (Hopper) forward and backward kernels (dk/dv with dq fused
+in by reduce-add, the default; or separate dq and dk/dv kernels, fuse_dq=False).
 
 * Lowering for cuda at Llama-3-8B shapes (bf16, GQA 32/8, head_dim 128) runs on every JAX: Mosaic GPU's own
   lowering happens there and already rejects shared-memory overflow, bad layouts and dtype mix-ups.
@@ -61,6 +62,9 @@ CASES = [
      {"block_k": 64, "num_stages": 3, "num_stages_bwd": 3}),
     ("f16-mha-full-d64-s72-bwd128x64", 6, 1, 72, 2, 2, 64, jnp.float16, False,
      {"block_q_bwd": 128, "block_k_bwd": 64}),
+    # The separate dq kernel (fuse_dq=False): causal GQA with ragged rows, and non-causal with a ragged last block.
+    ("bf16-gqa2-causal-d128-s200-dqkernel", 7, 1, 200, 4, 2, 128, jnp.bfloat16, True, {"fuse_dq": False}),
+    ("f16-gqa4-full-d64-s72-dqkernel", 8, 2, 72, 4, 1, 64, jnp.float16, False, {"fuse_dq": False}),
 ]
 # Packed documents (segment ids: 2-4 documents per row, random cut points), causal or not, GQA, ragged.
 SEG_CASES = [
@@ -68,7 +72,42 @@ SEG_CASES = [
     ("bf16-gqa4-full-seg-d128-s72", 12, 1, 72, 4, 1, 128, jnp.bfloat16, False, {}),
     ("f16-mha-causal-seg-d64-s384-3slots", 13, 1, 384, 2, 2, 64, jnp.float16, True,
      {"block_k": 64, "num_stages": 3, "num_stages_bwd": 3}),
+    ("bf16-gqa2-causal-seg-d128-s200-dqkernel", 14, 1, 200, 4, 2, 128, jnp.bfloat16, True, {"fuse_dq": False}),
 ]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fuse_dq", [True, False])
+def test_mosaic_gradients_finite_when_padded_keys_would_overflow(fuse_dq):
+    """Non-causal, ragged length, every real logit very negative: a padded key (logit 0) would get
+    P = exp2(0 - lse) = inf. The dk/dv kernel masks padded keys, so dS is 0 there and dq stays finite (with
+    fuse_dq, dq is summed from those very dS rows)."""
+    b, s, h, d = 1, 72, 2, 64
+    rng = np.random.default_rng(21)
+    offset = np.zeros(d, np.float32)
+    offset[:8] = 6.0                                  # logits ~ -8 * 36 / sqrt(d): exp2(-lse) >> fp16's max
+    q, k, v, do = (jnp.asarray(rng.standard_normal((b, s, h, d), np.float32) + sign * offset, jnp.bfloat16)
+                   for sign in (1, -1, 0, 0))
+    ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, causal=False, backend="mosaic", interpret=True,
+                                                     fuse_dq=fuse_dq))(q, k, v, do)
+    ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, causal=False))(q, k, v, do)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+        assert rel_error(a, r) <= KERNEL_TOL["bfloat16"], (name, rel_error(a, r))
+
+
+@needs_interpreter
+def test_mosaic_under_vmap_equals_per_example():
+    """The pipeline vmaps stages over the layer: forward and backward (the fused dk/dv/dq kernel folds the vmapped
+    axis into its batch dim) give what a loop over the vmapped axis gives."""
+    q, k, v, do = _inputs(31, 2, 128, 2, 1, 64, jnp.bfloat16)         # the leading 2 is the vmapped axis
+    q, do = q.reshape(2, 1, 128, 2, 64), do.reshape(2, 1, 128, 2, 64)
+    k, v = k.reshape(2, 1, 128, 1, 64), v.reshape(2, 1, 128, 1, 64)
+    run = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic", interpret=True))
+    batched = jax.jit(jax.vmap(run))(q, k, v, do)
+    for i in range(2):
+        for name, a, r in zip(("out", "dq", "dk", "dv"), batched, run(q[i], k[i], v[i], do[i])):
+            np.testing.assert_array_equal(np.asarray(a[i], np.float32), np.asarray(r, np.float32), err_msg=name)
 
 
 @needs_interpreter
@@ -126,6 +165,14 @@ def test_mosaic_lowers_for_cuda_llama3_8b(causal, seq, head_dim, packed):
         return out, vjp(do)
 
     text = lower_for_cuda(fwd_bwd, q, kv, kv, seg, q)
+    assert len(MOSAIC_CALL.findall(text)) == 2 and TRITON not in text      # forward, dk/dv with dq fused
+
+    def fwd_bwd_dq_kernel(q, k, v, s, do):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=s, backend="mosaic",
+                                                           interpret=False, fuse_dq=False), q, k, v)
+        return out, vjp(do)
+
+    text = lower_for_cuda(fwd_bwd_dq_kernel, q, kv, kv, seg, q)
     assert len(MOSAIC_CALL.findall(text)) == 3 and TRITON not in text      # forward, dq, dk/dv
 
 
@@ -145,10 +192,13 @@ def test_mosaic_validation():
         (dict(block_q=128, block_k=64), r"block_k \(64\) must be >= block_q \(128\)"),
         (dict(num_stages=1), r"num_stages \(shared-memory slots\) must be an int >= 2"),
         (dict(num_stages=0), "num_stages must be a positive int"),
+        (dict(fuse_dq=1), "fuse_dq is a bool option of backend='mosaic'"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             flash_attention(q, kv, kv, backend="mosaic", interpret=False, **kw)
+    with pytest.raises(ValueError, match="fuse_dq is a bool option of backend='mosaic'.*backend='triton'"):
+        flash_attention(q, kv, kv, backend="triton", fuse_dq=True)
     with pytest.raises(ValueError, match="bfloat16 or float16 .* backend='triton' for float32"):
         flash_attention(q.astype(jnp.float32), kv.astype(jnp.float32), kv.astype(jnp.float32), backend="mosaic")
     with pytest.raises(ValueError, match=r"head_dim \(64, 128\), got 256"):

@@ -34,15 +34,18 @@ def test_kernels_and_train_step_compile_for_h100():
     # forward + backward: attention 1 + 2 kernels, rope 2 + 2 (q and k), swiglu 1 + 1
     assert out["flash_attention"]["triton_calls"] == 3
     assert out["flash_attention_causal"]["triton_calls"] == 3
-    # The Mosaic kernels, forward + dq + dk/dv, are three custom calls (Mosaic builds their GPU binaries itself,
+    # The Mosaic kernels are custom calls (Mosaic builds their GPU binaries itself,
     # outside this XLA compile: here XLA places the calls and their buffers, and Mosaic's lowering has already
     # checked shared memory).
-    assert out["flash_attention_mosaic"]["mosaic_calls"] == 3
+    assert out["flash_attention_mosaic"]["mosaic_calls"] == 2            # forward, dk/dv with dq fused in
     assert out["flash_attention_mosaic"]["triton_calls"] == 0
+    assert out["flash_attention_mosaic_dq_kernel"]["mosaic_calls"] == 3  # forward, dq, dk/dv
+    assert out["flash_attention_mosaic_dq_kernel"]["triton_calls"] == 0
     assert out["rope"]["triton_calls"] == 4
     assert out["swiglu"]["triton_calls"] == 2
     assert out["train_step"]["triton_calls"] == 9  # the model really runs the kernels, per shard
-    # attention_impl=mosaic: forward, dq and dk/dv kernels in the train step (layers scanned: one body)
-    assert out["train_step_mosaic"]["mosaic_calls"] == 3 and out["train_step_mosaic"]["triton_calls"] == 0
-    for name in ("flash_attention", "flash_attention_causal", "flash_attention_mosaic"):
+    # attention_impl=mosaic: forward and dk/dv (dq fused) kernels in the train step (layers scanned: one body)
+    assert out["train_step_mosaic"]["mosaic_calls"] == 2 and out["train_step_mosaic"]["triton_calls"] == 0
+    for name in ("flash_attention", "flash_attention_causal", "flash_attention_mosaic",
+                 "flash_attention_mosaic_dq_kernel"):
         assert 0 < out[name]["temp_bytes"] < 2**30  # no [seq, seq] score matrix at seq 8192
