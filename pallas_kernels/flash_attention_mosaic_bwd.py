@@ -14,6 +14,8 @@ its Hopper machinery (TMA producer warpgroup, wgmma, shared-memory slots):
     staged in fp32 and added into a zero-initialised fp32 accumulator [b, sp, h, d] in global memory by a TMA
     reduce-add (cp.reduce.async.bulk); the wrapper applies dq's multiplier. Five matmuls per (query block, key
     block) instead of seven, and no second pass over K/V; the order of the fp32 sums varies from run to run.
+    With head_dim 128 both warpgroups' dS^T are double-buffered and each warpgroup computes half of dQ_i's
+    columns over the CTA's 2 * block_k keys, so a CTA issues one reduce-add per query block, not two.
     The accumulator goes in as a Ref (pl.run_state around pl.kernel); a vmap rule folds a vmapped axis into
     the batch dim.
   * otherwise a dq kernel: one CTA per (head, 2 * block_q query rows, batch); two compute warpgroups of block_q
@@ -52,8 +54,9 @@ def bwd_smem_bytes(head_dim: int, block_q: int, block_kv: int, slots: int, out_i
     """Shared memory of the larger backward kernel (with fuse_dq, the dk/dv kernel is the only one)."""
     d, w = head_dim, COMPUTE_WGS
     stage = 2 * w * block_kv * d * out_itemsize                               # dk, dv on their way out
-    if fuse_dq:
-        stage = max(stage, w * block_q * d * 4) + w * block_kv * block_q * 2  # dq (fp32) shares it; dS^T
+    if fuse_dq:                                       # dq (fp32) and dS^T share it (see _dkv's `split`)
+        split = d % 128 == 0
+        stage = max(stage, w * block_q * (d // w if split else d) * 4 + (2 if split else 1) * w * block_kv * block_q * 2)
     dkv = (2 * w * block_kv * d * 2 + stage + 2 * slots * block_q * d * 2
            + 3 * slots * block_q * 4 + w * 4 * max(block_q, block_kv) * 4
            + (w * block_kv * block_q * 2 if interpret and not fuse_dq else 0))  # stats incl. segment ids
@@ -197,6 +200,13 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
     # Padded keys (non-causal, ragged length) are masked where they sit: their dk/dv rows are dropped anyway, but
     # with dq fused their dS must be exactly 0 (exp2(0 - lse) of a masked-out key may overflow).
     ragged = not causal and seq_len % (w * bkv) != 0
+    # With head_dim 128 the two compute warpgroups share dq's work: each adds dS_0 K_0 + dS_1 K_1 for one half of
+    # the columns (both dS^T double-buffered in shared memory, one rendezvous per block), so a CTA issues one
+    # reduce-add per query block and 2 * block_k keys, not two. head_dim 64 would split K inside its 64-wide
+    # swizzled tile, so there each warpgroup reduce-adds dS_w K_w over all columns itself.
+    split = fuse_dq and d % 128 == 0
+    dq_cols = d // w if split else d
+    n_ds = 2 if split else 1
 
     def first_q_block(key_start):
         """The first query block a key range starting at key_start is visible to (clamped to n_qb)."""
@@ -210,13 +220,13 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
         seg_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
         dq_acc_ref, rest = (rest[0], rest[1:]) if fuse_dq else (None, rest)
         dk_ref, dv_ref, scratch = rest
-        (kv_smem, out_smem, q_smem, do_smem, lse_smem, delta_smem, sc_smem2, ds_smem2,
-         kseg_smem2, qseg_smem), (q_bar, do_bar, lse_bar, delta_bar, own_bar, qseg_bar), free = scratch
+        (kv_smem, out_smem, q_smem, do_smem, lse_smem, delta_smem, sc_smem2, a_smem2,
+         kseg_smem2, qseg_smem), (q_bar, do_bar, lse_bar, delta_bar, own_bar, qseg_bar, ds_ready), free = scratch
         k_smem2, v_smem2 = kv_smem
-        if fuse_dq:                                  # dk/dv staging shares its shared memory with dq's
-            (dk_smem2, dv_smem2), dq_smem2 = out_smem
+        if fuse_dq:                # the dk/dv staging shares its shared memory with dq's staging and dS^T
+            (dk_smem2, dv_smem2), (dq_smem2, ds_smem3) = out_smem
         else:
-            (dk_smem2, dv_smem2), dq_smem2 = out_smem, None
+            (dk_smem2, dv_smem2), dq_smem2, ds_smem3 = out_smem, None, None
         batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
         cta_base = lax.axis_index("kv_seq") * (w * bkv)   # causal: the heaviest (first) tiles first
         cta_i0 = first_q_block(cta_base)
@@ -227,8 +237,8 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             k_smem, v_smem, dk_smem, dv_smem = k_smem2.at[wg], v_smem2.at[wg], dk_smem2.at[wg], dv_smem2.at[wg]
-            # [bkv, bq] 16-bit: dS^T with fuse_dq; in interpret mode also the staging of register operands.
-            a_smem = ds_smem2.at[wg] if interpret else None
+            # Interpret mode stages register operands ([bkv, bq], 16-bit) here; with fuse_dq in the dS^T buffer.
+            a_smem = a_smem2.at[wg] if interpret and not fuse_dq else None
             kv_base = cta_base + wg * bkv
             sl = (batch, pl.ds(kv_base, bkv), kv_head)
             copies = ((k_ref.at[sl], k_smem), (v_ref.at[sl], v_smem), (sc_ref.at[batch, kv_head], sc_smem2.at[wg]))
@@ -242,7 +252,8 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
             dk_mult = plgpu.load(sc_smem2.at[wg, 1, pl.ds(0, bkv)], (), layout=rows)
             dv_mult = plgpu.load(sc_smem2.at[wg, 2, pl.ds(0, bkv)], (), layout=rows)
             k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=rows) if has_seg else None
-            wg_i0 = first_q_block(kv_base)
+            # Split dq: both warpgroups visit the same query blocks (the later one's first is fully masked).
+            wg_i0 = cta_i0 if split else first_q_block(kv_base)
             # Query blocks starting at or after kv_base + bkv see every key of this warpgroup: no mask. Without
             # causal masking, only a warpgroup holding padded keys masks (all its blocks).
             if causal:
@@ -279,32 +290,56 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                         same = row_of(k_seg, bq) == col_of(q_seg, bkv)
                         vis = same if vis is None else jnp.logical_and(vis, same)
                     pt = jnp.where(vis, pt, 0.0)
-                dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], a_smem)
+                staging = a_smem
+                if fuse_dq:
+                    ds_smem = ds_smem3.at[lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds)), wg]
+                    staging = ds_smem if interpret else None        # free until dS^T is written below
+                dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], staging)
                 dpt = mm(v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq))
                 delta = plgpu.load(delta_smem.at[slot], (), layout=cols)
                 dst = (pt * (dpt - col_of(delta, bkv))).astype(cdt)
                 if not fuse_dq:
-                    dk = mma_into(dk, dst, q_smem.at[slot], a_smem)
+                    dk = mma_into(dk, dst, q_smem.at[slot], staging)
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv
                 # dS^T goes to shared memory: the A operand of dK += dS^T Q, and (transposed) of dQ_i = dS K,
                 # which is added into the fp32 dq accumulator in global memory by a TMA reduce-add.
-                ds_smem = ds_smem2.at[wg]
                 ds_smem[...] = dst
                 plgpu.commit_smem()
+                if split:                       # both dS^T of this block are written (the other buffer is free)
+                    plgpu.barrier_arrive(ds_ready)
+                    plgpu.barrier_wait(ds_ready)
                 dk = mma_smem_into(dk, ds_smem, q_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])         # q / dO of this slot are no longer read
-                dq = mm(ds_smem.transpose((1, 0)), k_smem, (bq, d))
+                head = kv_head * group + g
+                if split:
+                    buf = lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds))
+                    for half in range(w):
+                        pl.when(wg == half)(functools.partial(dq_half, i, head, buf, half))
+                else:
+                    dq_out(mm(ds_smem.transpose((1, 0)), k_smem, (bq, d)), i, head, pl.ds(0, d))
+                return dk, dv
+
+            def dq_half(i, head, buf, half):
+                """dQ_i[:, half] = sum over both warpgroups' keys of dS K[:, half], reduce-added."""
+                cols_ = pl.ds(half * dq_cols, dq_cols)
+
+                def body(acc_ref):
+                    for j in range(w):
+                        plgpu.wgmma(acc_ref, ds_smem3.at[buf, j].transpose((1, 0)), k_smem2.at[j, :, cols_])
+                    return acc_ref[...]
+                dq_out(pl.run_scoped(body, plgpu.ACC((bq, dq_cols), jnp.float32)), i, head, cols_)
+
+            def dq_out(dq, i, head, cols_):
                 dq_smem = dq_smem2.at[wg]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous block's reduce has read dq_smem
                 dq_smem[...] = dq
                 plgpu.commit_smem()
-                q_rows = (batch, pl.ds(i * bq, bq), kv_head * group + g)
+                q_rows = (batch, pl.ds(i * bq, bq), head, cols_)
                 if interpret:                   # the interpreter has no reduce-add: one partial sum per warpgroup
                     plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[(lax.axis_index("kv_seq") * w + wg, *q_rows)])
                 else:
                     plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[q_rows], reduction_op="add")
-                return dk, dv
 
             def release(i, _, g):                  # blocks only the other warpgroup's keys see
                 slot = slot_of(g, i)
@@ -367,17 +402,19 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
         out = (plgpu.SMEM((w, bkv, d), out_dtype, transforms=TILED),
                plgpu.SMEM((w, bkv, d), out_dtype, transforms=TILED))
         if fuse_dq:
-            out = plgpu.RefUnion(out, plgpu.SMEM((w, bq, d), jnp.float32, transforms=TILED_F32))
+            out = plgpu.RefUnion(out, (plgpu.SMEM((w, bq, dq_cols), jnp.float32, transforms=TILED_F32),
+                                       plgpu.SMEM((n_ds, w, bkv, bq), cdt, transforms=TILED)))
         smem = (kv, out,
                 plgpu.SMEM((slots, bq, d), cdt, transforms=TILED), plgpu.SMEM((slots, bq, d), cdt, transforms=TILED),
                 plgpu.SMEM((slots, bq), jnp.float32), plgpu.SMEM((slots, bq), jnp.float32),
                 plgpu.SMEM((w, 3, width), jnp.float32),
-                plgpu.SMEM((w, bkv, bq), cdt, transforms=TILED) if interpret or fuse_dq else None,
+                plgpu.SMEM((w, bkv, bq), cdt, transforms=TILED) if interpret and not fuse_dq else None,
                 plgpu.SMEM((w, bkv), jnp.int32) if has_seg else None,
                 plgpu.SMEM((slots, bq), jnp.int32) if has_seg else None)
         bars = (tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4))
                 + (plgpu.Barrier(num_barriers=(4 if has_seg else 3) * w),
-                   plgpu.Barrier(num_barriers=slots) if has_seg else None))
+                   plgpu.Barrier(num_barriers=slots) if has_seg else None,
+                   plgpu.Barrier(num_arrivals=w) if split else None))
         pl.run_scoped(lambda *scr: kernel(*refs, scr), smem, bars,
                       plgpu.Barrier(num_arrivals=w, num_barriers=slots), collective_axes="wg")
 
