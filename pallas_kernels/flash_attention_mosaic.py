@@ -135,6 +135,16 @@ def mm(a_ref, b_ref, shape):
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
+def mm_pair(a1_ref, b1_ref, a2_ref, b2_ref, shape):
+    """(a1 @ b1, a2 @ b2), all four in shared memory, into fresh fp32 [m, n] tiles: both wgmmas are issued before
+    either is waited for, so the tensor cores run them back to back."""
+    def body(acc1, acc2):
+        plgpu.wgmma(acc1, a1_ref, b1_ref)
+        plgpu.wgmma(acc2, a2_ref, b2_ref)
+        return acc1[...], acc2[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
 def mma_into(acc, a, b_ref, a_smem=None, then=None):
     """acc + a @ b_ref: acc an fp32 register tile, a a 16-bit register tile, b in shared memory; `then()` runs
     while the wgmma is in flight. On hardware the wgmma accumulates into acc in place (pl.run_state). Interpret

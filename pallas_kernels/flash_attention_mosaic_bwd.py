@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
-from .flash_attention_mosaic import (COMPUTE_WGS, TILED, TILED_F32, col_of, kv_producer, kv_visibility, mm, mma_into,
-                                     mma_smem_into, mosaic_interpret_params, over_kv_blocks, row_of,
+from .flash_attention_mosaic import (COMPUTE_WGS, TILED, TILED_F32, col_of, kv_producer, kv_visibility, mm, mm_pair,
+                                     mma_into, mma_smem_into, mosaic_interpret_params, over_kv_blocks, row_of,
                                      visible_kv_blocks)
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
@@ -56,7 +56,8 @@ def bwd_smem_bytes(head_dim: int, block_q: int, block_kv: int, slots: int, out_i
     stage = 2 * w * block_kv * d * out_itemsize                               # dk, dv on their way out
     if fuse_dq:                                       # dq (fp32) and dS^T share it (see _dkv's `split`)
         split = d % 128 == 0
-        stage = max(stage, w * block_q * (d // w if split else d) * 4 + (2 if split else 1) * w * block_kv * block_q * 2)
+        dq_stage = w * block_q * (d // w if split else d) * 4
+        stage = max(stage, dq_stage + (2 if split else 1) * w * block_kv * block_q * 2)
     dkv = (2 * w * block_kv * d * 2 + stage + 2 * slots * block_q * d * 2
            + 3 * slots * block_q * 4 + w * 4 * max(block_q, block_kv) * 4
            + (w * block_kv * block_q * 2 if interpret and not fuse_dq else 0))  # stats incl. segment ids
@@ -120,8 +121,8 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
                 slot = lax.rem(j, jnp.int32(slots))
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                s = mm(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
-                dp = mm(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
+                s, dp = mm_pair(q_smem, k_smem.at[slot].transpose((1, 0)), do_smem, v_smem.at[slot].transpose((1, 0)),
+                                (bq, bkv))
                 plgpu.barrier_arrive(v_free.at[slot])
                 p = jnp.exp2(s * row_of(c, bkv) - row_of(lse, bkv))
                 if masked:
@@ -274,7 +275,8 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                 dk, dv = carry
                 slot = slot_of(g, i)
                 wait_inputs(slot)
-                st = mm(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
+                st, dpt = mm_pair(k_smem, q_smem.at[slot].transpose((1, 0)), v_smem, do_smem.at[slot].transpose((1, 0)),
+                                  (bkv, bq))
                 lse = plgpu.load(lse_smem.at[slot], (), layout=cols)
                 pt = jnp.exp2(st * col_of(c, bkv) - col_of(lse, bkv))
                 if masked:
@@ -295,7 +297,6 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                     ds_smem = ds_smem3.at[lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds)), wg]
                     staging = ds_smem if interpret else None        # free until dS^T is written below
                 dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], staging)
-                dpt = mm(v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq))
                 delta = plgpu.load(delta_smem.at[slot], (), layout=cols)
                 dst = (pt * (dpt - col_of(delta, bkv))).astype(cdt)
                 if not fuse_dq:
