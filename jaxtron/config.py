@@ -67,6 +67,10 @@ class ModelConfig:
                                     "flash attention; GPU, or interpret mode on CPU: exact but slow) or 'mosaic' "
                                     "(its Mosaic GPU kernels for Hopper; bf16/fp16, head_dim "
                                     "64 or 128; on CPU interpreted with jax >= 0.11).")
+    deterministic_attention: bool = _f(False, "Bitwise-reproducible attention gradients: 'mosaic' then computes dq "
+                                              "in a kernel of its own instead of reduce-adding it from the dk/dv "
+                                              "kernel (seven matmuls per block pair, not five); 'xla' and "
+                                              "'pallas' always are; 'cudnn' is refused.")
     rope_impl: str = _f("xla", "Rotary embedding: 'xla' or 'pallas' (fused q/k kernel; interpret mode on CPU).")
     mlp_impl: str = _f("xla", "SwiGLU activation: 'xla' or 'pallas' (fused kernel; interpret mode on CPU).")
     remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
@@ -405,6 +409,8 @@ def validate(cfg: Config) -> Config:
                f"'mosaic' supports head_dim {MOSAIC_HEAD_DIMS}, the model has {head_dim(m)}; use 'pallas'")
         _check(m.dtype != "float32", "model.attention_impl",
                "'mosaic' computes in bf16/fp16 (wgmma has no IEEE fp32); model.dtype=float32 needs 'pallas'")
+    _check(not (m.deterministic_attention and m.attention_impl == "cudnn"), "model.deterministic_attention",
+           "cuDNN's attention backward is not deterministic here; use model.attention_impl=pallas or mosaic")
     for name in ("rope_impl", "mlp_impl"):
         _check(getattr(m, name) in KERNEL_IMPLS, f"model.{name}", f"{getattr(m, name)!r} is not one of {KERNEL_IMPLS}")
     _check(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")

@@ -61,6 +61,7 @@ BAD = [
     (["model.scan_unroll=0"], "model.scan_unroll"),
     (["data.seq_len=0"], "data.seq_len"),
     (["model.attention_impl=cudnn"], "model.attention_impl"),
+    (["model.attention_impl=cudnn", "model.deterministic_attention=true"], "model.deterministic_attention"),
     (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.dtype=float32"], "model.attention_impl"),
     (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.head_dim=32"], "model.attention_impl"),
     # on CPU: jax 0.10 has no Mosaic GPU interpreter (model.attention_impl); newer JAX resolves dtype=auto to

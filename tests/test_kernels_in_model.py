@@ -2,11 +2,13 @@
 reference: 3 steps on data 2 x fsdp 2 x tensor 2 equal the single-device XLA run to 1e-4 relative (fp32)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import synthetic_batch, tiny_config
+from jaxtron.model.attention import attention
 from jaxtron.train.loop import Run, put_batch
 
 MODEL = ("model.hidden_size=128", "model.num_heads=8", "model.num_kv_heads=4", "data.reset_at_eod=false")
@@ -53,3 +55,32 @@ def test_mosaic_attention_trains_like_pallas():
                                  jax.devices()[:1])
     np.testing.assert_allclose(got, ref, rtol=5e-3)
     assert ref[-1, 0] < ref[0, 0]
+
+
+def test_deterministic_attention_refuses_cudnn():
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="model.deterministic_attention: cuDNN"):
+        attention(q, q, q, implementation="cudnn", deterministic=True)
+
+
+@pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
+                    reason=f"Mosaic GPU interpret mode is public from jax 0.11 (this is {jax.__version__})")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mosaic_attention_gradients_match_xla(deterministic):
+    """'mosaic' dispatch with dq reduce-added from the dk/dv kernel (default) or from its own kernel
+    (model.deterministic_attention); gradients against the 'xla' reference on the same bf16 inputs."""
+    rng = np.random.default_rng(5)
+    q, do = (jnp.asarray(rng.standard_normal((1, 128, 4, 64), np.float32), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, 64), np.float32), jnp.bfloat16) for _ in range(2))
+    seg = jnp.asarray(np.repeat([[1, 2]], 64, axis=1), jnp.int32)
+
+    def grads(**kw):
+        @jax.jit
+        def run(q, k, v, do):
+            out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, seg, **kw), q, k, v)
+            return (out, *vjp(do))
+        return [np.asarray(x, np.float32) for x in run(q, k, v, do)]
+
+    ref = grads(implementation="xla")
+    for got, want in zip(grads(implementation="mosaic", deterministic=deterministic), ref):
+        assert np.linalg.norm(got - want) <= 4e-3 * np.linalg.norm(want)

@@ -45,32 +45,43 @@ Q_NAMES = ("act_batch", None, "act_heads", None)
 KV_NAMES = ("act_batch", None, "act_kv_heads", None)
 
 
-def pallas_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float, backend: str = "triton") -> jax.Array:
+def pallas_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float, backend: str = "triton",
+                     **kernel_kw) -> jax.Array:
     from pallas_kernels.flash_attention import flash_attention
 
     interpret = kernel_interpret()
 
     def kernel(q, k, v, segment_ids):
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, softmax_scale=scale,
-                               interpret=interpret, backend=backend)
+                               interpret=interpret, backend=backend, **kernel_kw)
 
     seg_names = ("act_batch", None) if segment_ids is not None else None
     return per_shard(kernel, (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), Q_NAMES)(q, k, v, segment_ids)
 
 
-def mosaic_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
-    return pallas_attention(q, k, v, segment_ids, scale, backend="mosaic")
+def mosaic_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float, deterministic: bool = False):
+    """deterministic: dq from its own kernel rather than reduce-added from the dk/dv kernel (whose fp32 sum order
+    varies between runs)."""
+    return pallas_attention(q, k, v, segment_ids, scale, backend="mosaic", fuse_dq=not deterministic)
 
 
 IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention,
                    "mosaic": mosaic_attention}
 
 
-def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: Optional[float] = None):
+def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: Optional[float] = None,
+              deterministic: bool = False):
+    """deterministic: gradients bitwise reproducible run to run; 'xla' and 'pallas' always are, 'mosaic' switches
+    to its dq kernel, 'cudnn' cannot promise it (ValueError)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention_impl: unknown implementation {implementation!r}; "
                          f"choose from {tuple(IMPLEMENTATIONS)}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if implementation == "mosaic":
+        return mosaic_attention(q, k, v, segment_ids, scale, deterministic=deterministic)
+    if deterministic and implementation == "cudnn":
+        raise ValueError("model.deterministic_attention: cuDNN's attention backward is not deterministic here; "
+                         "use model.attention_impl=pallas or mosaic")
     return IMPLEMENTATIONS[implementation](q, k, v, segment_ids, scale)

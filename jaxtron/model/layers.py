@@ -128,7 +128,8 @@ class Attention(nnx.Module):
         else:
             cos, sin = (rope.cos, rope.sin) if rope.cos is not None else rope_tables(rope.positions, rope.inv_freq)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl)
+        out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
+                        deterministic=self.cfg.deterministic_attention)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return project("bshk,hkd->bsd", out, self.wo[...].astype(dt))
 
