@@ -11,7 +11,9 @@ Attention TFLOP/s count the causal half of the score matrix: 4 * b * s^2/2 * hea
 ``--impls``: pallas (the Triton kernels), mosaic (flash_attention(backend="mosaic"): the Mosaic GPU kernels for
 Hopper, forward and backward), xla (the jnp reference), cudnn.
 ``--packed`` also runs each attention with 4 packed documents per row (segment ids; cuDNN gets the
-equivalent dense mask, which is what jaxtron's 'cudnn' attention does). ``--check`` compares the compiled
+equivalent dense mask, which is what jaxtron's 'cudnn' attention does); its TFLOP/s count the same causal FLOPs
+as plain rows, so they are effective rates (jaxtron's kernels skip the other documents' blocks, about 3/4 of them
+with 4 documents). ``--check`` compares the compiled
 kernels' outputs and gradients on random inputs (relative Frobenius error) with the reference run on the same
 inputs and cotangent (fp32 inside, rounded once to the input dtype: the tests' criterion, bound 2e-3 for bf16)
 and, as ``*_f32``, with the fp32 reference on the same values (which a bf16 result misses by ~1.6e-3 anyway).

@@ -27,6 +27,7 @@ import pytest
 import pallas_kernels
 from helpers import KERNEL_TOL, lower_for_cuda, rel_error
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.segments import block_spans, id_spans
 
 # The package exports the function `flash_attention`, which shadows the submodule attribute of the same name.
 fa_mod = importlib.import_module("pallas_kernels.flash_attention")
@@ -373,3 +374,53 @@ def test_flash_attention_lowers_for_cuda_llama3_8b(seq, window):
     text = _lower_cuda(fwd_bwd, q, kv, kv, seg, q)
     assert text.count(TRITON) == 3
     assert "flash_attention_bwd_dkv" in text and "flash_attention_bwd_dq" in text
+
+
+def test_id_spans_match_brute_force():
+    rng = np.random.default_rng(3)
+    seg = rng.integers(0, 4, (3, 32))                   # ids reused in several runs
+    first, last = (np.asarray(a) for a in id_spans(jnp.asarray(seg)))
+    for b in range(3):
+        for i in range(32):
+            where = np.flatnonzero(seg[b] == seg[b, i])
+            assert (first[b, i], last[b, i]) == (where.min(), where.max())
+    spans = np.asarray(block_spans(jnp.asarray(seg), 8))
+    assert spans.shape == (3, 4, 2)
+    np.testing.assert_array_equal(spans[..., 0], first.reshape(3, 4, 8).min(-1))
+    np.testing.assert_array_equal(spans[..., 1], last.reshape(3, 4, 8).max(-1) + 1)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_packed_documents_skip_other_documents_blocks(causal):
+    """Two documents, block-aligned; the first's q, k, v and cotangent are NaN. Every kernel narrows its block loop
+    to the blocks where the tile's document ids occur, so the second document's out, dq, dk, dv never touch a NaN
+    (a visited block, even fully masked, would: 0 * NaN) and equal the reference's."""
+    b, s, h, kvh, d = 1, 128, 2, 1, 64
+    q, k, v, do, _ = _inputs(31, b, s, h, kvh, d, jnp.float32, False)
+    seg = jnp.asarray(np.repeat([[1, 2]], 64, axis=1), jnp.int32)
+    first = (jnp.arange(s) < 64)[None, :, None, None]
+    poison = lambda x: jnp.where(first, jnp.nan, x)
+    clean = lambda x: jnp.where(first, 0.0, x)
+    kw = dict(causal=causal, segment_ids=seg)
+    ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, block_q=32, block_k=32, interpret=True, **kw))(
+        *(poison(x) for x in (q, k, v, do)))
+    ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, **kw))(*(clean(x) for x in (q, k, v, do)))
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        a, r = np.asarray(a)[:, 64:], np.asarray(r)[:, 64:]
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_reused_segment_ids_span_documents():
+    """An id used by two separate runs (documents 1 ... 2 ... 1): its queries see both runs' keys, so the skipped
+    range must run from the id's first to its last occurrence, not from the start of the query's own run."""
+    b, s, h, kvh, d = 1, 128, 4, 2, 64
+    q, k, v, do, _ = _inputs(32, b, s, h, kvh, d, jnp.float32, False)
+    seg = jnp.asarray([[1] * 40 + [2] * 48 + [1] * 40], jnp.int32)
+    for causal in (True, False):
+        kw = dict(causal=causal, segment_ids=seg)
+        ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, block_q=16, block_k=32, interpret=True, **kw))(
+            q, k, v, do)
+        ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, **kw))(q, k, v, do)
+        for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+            assert _rel(a, r) <= KERNEL_TOL["float32"], (causal, name, _rel(a, r))
