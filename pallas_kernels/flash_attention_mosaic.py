@@ -24,7 +24,9 @@ Design (FlashAttention-3's forward structure, written for Pallas' Mosaic GPU dia
 
 Segment ids (packed documents): each K/V block brings its ids along (a small TMA copy into the same slot);
 every visited block is then masked (same id, and causal), and a row with no visible key gets lse = +inf and
-output 0, as in the Triton kernels (only padded rows can have none).
+output 0, as in the Triton kernels (only padded rows can have none). Only the blocks where the CTA's document
+ids occur are visited (`segments.block_spans`, read by each warpgroup from a 128-byte row: `document_blocks`):
+the producer and both compute warpgroups start at that span's first block (`start`) and stop at its end.
 
 Not in this backend (the wrapper refuses them with a clear error; the Triton backend has them): sliding windows, fp32 inputs (wgmma has no IEEE fp32 mode), head_dim other than 64 or 128.
 
@@ -45,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
+from .segments import block_spans
 
 __all__ = ["mosaic_forward", "check_mosaic", "MOSAIC_HEAD_DIMS", "mosaic_interpret_params"]
 
@@ -195,12 +198,48 @@ def kv_visibility(q_base, j, *, block_q: int, block_kv: int, causal: bool, seq_l
     return q_pos >= kv_pos
 
 
-def over_kv_blocks(step, carry, *, steps, q_base, causal: bool, has_seg: bool, block_kv: int, seq_len: int):
-    """carry through `step(j, carry, masked)` for kv blocks 0..steps-1 of a query tile starting at q_base, in
-    order, masking only where needed: every block with segment ids; under causal masking the blocks reaching
-    the diagonal (padded keys only sit there); otherwise the last block when it holds padded keys."""
+SPAN_WIDTH = 32    # int32 per document-span row: 128 bytes, the smallest copy a whole warpgroup issues
+
+
+def span_rows(seg, block: int):
+    """[b, sp // block, SPAN_WIDTH] int32: `segments.block_spans` (positions [lo, hi) where each block's document ids
+    occur) padded to a TMA-able row."""
+    spans = block_spans(seg, block)
+    return jnp.pad(spans, ((0, 0), (0, 0), (0, SPAN_WIDTH - 2)))
+
+
+def document_blocks(span_ref, span_smem, span_bar, *, batch, tile, wg, block: int):
+    """(first, end) block indices (of `block` positions) overlapping the document span of `tile`, read by
+    warpgroup wg from its own copy: with segment ids the block loops run over [first, end) only."""
+    plgpu.copy_gmem_to_smem(span_ref.at[batch, tile], span_smem.at[wg], span_bar.at[wg])
+    plgpu.barrier_wait(span_bar.at[wg])
+    lo, hi = span_smem[wg, 0], span_smem[wg, 1]
+    return lax.div(lo, jnp.int32(block)), lax.div(hi + (block - 1), jnp.int32(block))
+
+
+def query_tile_kv_blocks(span, *, batch, tile, wg, causal: bool, block_kv: int, real_blocks: int):
+    """(start, visible_blocks) for a query tile: its kv loop runs over blocks start..visible_blocks(q_end) - 1
+    for the rows before q_end, within the causal diagonal and the real keys and, with segment ids (span =
+    (span_ref, span_smem, span_bar); every warpgroup, the producer too, reads it), within the blocks of the
+    tile's documents (at least one block, so that no loop waits on a slot nothing fills)."""
+    start, doc_end = 0, None
+    if span is not None:
+        start, doc_end = document_blocks(*span, batch=batch, tile=tile, wg=wg, block=block_kv)
+
+    def visible_blocks(q_end):
+        n = visible_kv_blocks(q_end, causal=causal, block_kv=block_kv, real_blocks=real_blocks)
+        return n if span is None else jnp.maximum(jnp.minimum(n, doc_end), start + 1)
+    return start, visible_blocks
+
+
+def over_kv_blocks(step, carry, *, steps, q_base, causal: bool, has_seg: bool, block_kv: int, seq_len: int,
+                   start=0):
+    """carry through `step(j, carry, masked)` for kv blocks start..steps-1 of a query tile starting at q_base, in
+    order, masking only where needed: every block with segment ids (where start may be > 0: the first block of
+    the tile's documents); under causal masking the blocks reaching the diagonal (padded keys only sit there);
+    otherwise the last block when it holds padded keys."""
     if has_seg:
-        return lax.fori_loop(0, steps, functools.partial(step, masked=True), carry)
+        return lax.fori_loop(start, steps, functools.partial(step, masked=True), carry)
     if causal:
         full = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), steps)
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
@@ -212,8 +251,9 @@ def over_kv_blocks(step, carry, *, steps, q_base, causal: bool, has_seg: bool, b
 
 
 def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, batch, kv_head, steps, slots: int,
-                block: int, static: bool, seg=None):
-    """The TMA warpgroup: K/V blocks 0..steps-1 of (batch, kv_head) into `slots` rotating shared-memory slots.
+                block: int, static: bool, seg=None, start=0):
+    """The TMA warpgroup: K/V blocks start..steps-1 of (batch, kv_head) into `slots` rotating shared-memory slots
+    (block j in slot (j - start) % slots).
     A slot is refilled once both compute warpgroups have released it (k_free / v_free, two arrivals), and the
     last releases are waited for too, so every barrier phase is observed (the interpreter checks this).
     static: steps is a Python int. seg: (seg_ref [b, sp], seg_smem [slots, block], seg_bar) to bring each
@@ -228,22 +268,22 @@ def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, b
 
     for i in range(slots):
         if not static:
-            pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
+            pl.when(start + i < steps)(functools.partial(load, start + jnp.int32(i), i))
         elif i < steps:
             load(jnp.int32(i), i)
 
     def refill(j, _):
-        slot = lax.rem(j, jnp.int32(slots))
+        slot = lax.rem(j - start, jnp.int32(slots))
         plgpu.barrier_wait(k_free.at[slot])            # both warpgroups are done with block j - slots
         plgpu.barrier_wait(v_free.at[slot])
         load(j, slot)
-    lax.fori_loop(jnp.int32(slots), steps, refill, None)
+    lax.fori_loop(start + jnp.int32(slots), steps, refill, None)
 
     def drain(j, _):
-        slot = lax.rem(j, jnp.int32(slots))
+        slot = lax.rem(j - start, jnp.int32(slots))
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
-    lax.fori_loop(jnp.maximum(steps - slots, 0), steps, drain, None)
+    lax.fori_loop(jnp.maximum(steps - slots, start), steps, drain, None)
 
 
 def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q: int, block_kv: int,
@@ -267,20 +307,22 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
     has_seg = seg is not None
 
     def kernel(q_ref, k_ref, v_ref, sc_ref, *rest):
-        seg_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
+        seg_ref, span_ref, rest = (rest[0], rest[1], rest[2:]) if has_seg else (None, None, rest)
         out_ref, lse_ref = rest[:2]
         ores_ref = rest[2] if residual else None
         scratch = rest[-1]
-        (q_smem2, o_smem2, k_smem, v_smem, sc_smem2, lse_smem2, p_smem2, qseg_smem2, kseg_smem), bars, \
+        (q_smem2, o_smem2, k_smem, v_smem, sc_smem2, lse_smem2, p_smem2, qseg_smem2, kseg_smem, span_smem), bars, \
             (k_free, v_free), sched = scratch
-        k_bar, v_bar, q_bar, sc_bar, qseg_bar, kseg_bar = bars
+        k_bar, v_bar, q_bar, sc_bar, qseg_bar, kseg_bar, span_bar = bars
         batch = lax.axis_index("batch")
         head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        cta_base = (n_q_tiles - 1 - lax.axis_index("q_seq")) * (COMPUTE_WGS * bq)   # heaviest tiles first
+        tile = n_q_tiles - 1 - lax.axis_index("q_seq")                             # heaviest tiles first
+        cta_base = tile * (COMPUTE_WGS * bq)
 
-        visible_blocks = functools.partial(visible_kv_blocks, causal=causal, block_kv=bkv, real_blocks=real_blocks)
-
+        start, visible_blocks = query_tile_kv_blocks(
+            (span_ref, span_smem, span_bar) if has_seg else None, batch=batch, tile=tile, wg=wg, causal=causal,
+            block_kv=bkv, real_blocks=real_blocks)
         cta_steps = visible_blocks(cta_base + COMPUTE_WGS * bq)
 
         def rendezvous():
@@ -313,7 +355,7 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
 
             def step(j, carry, masked: bool):
                 acc, m, l = carry
-                slot = lax.rem(j, jnp.int32(n_steps))
+                slot = lax.rem(j - start, jnp.int32(n_steps))
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -345,17 +387,17 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
 
                     @pl.when(nxt < steps)
                     def _():
-                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(n_steps))])
+                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt - start, jnp.int32(n_steps))])
 
                 acc = mma_into(acc, p16, v_smem.at[slot], p_smem, then=wait_next_k)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
             acc, m, l = over_kv_blocks(step, (acc0, m0, l0), steps=steps, q_base=q_base, causal=causal,
-                                       has_seg=has_seg, block_kv=bkv, seq_len=seq_len)
+                                       has_seg=has_seg, block_kv=bkv, seq_len=seq_len, start=start)
 
             def release(j, _):                              # blocks only the other warpgroup needs
-                slot = lax.rem(j, jnp.int32(n_steps))
+                slot = lax.rem(j - start, jnp.int32(n_steps))
                 plgpu.barrier_wait(k_bar.at[slot])          # keeps this warpgroup's barrier phases in step
                 plgpu.barrier_wait(v_bar.at[slot])
                 if has_seg:
@@ -391,9 +433,10 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
             plgpu.set_max_registers(40, action="decrease")
             kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, batch=batch,
                         kv_head=lax.div(head, jnp.int32(group)), steps=cta_steps, slots=n_steps, block=bkv,
-                        static=not causal, seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None)
+                        static=not (causal or has_seg), seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None,
+                        start=start)
 
-    def entry(q_ref, k_ref, v_ref, sc_ref, *outs):       # outs: [seg_ref,] out, lse[, o_res]
+    def entry(q_ref, k_ref, v_ref, sc_ref, *outs):       # outs: [seg_ref, span_ref,] out, lse[, o_res]
         smem = (
             plgpu.SMEM((COMPUTE_WGS, bq, d), cdt, transforms=TILED),
             plgpu.SMEM((COMPUTE_WGS, bq, d), out_dtype, transforms=TILED),
@@ -404,9 +447,10 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
             plgpu.SMEM((COMPUTE_WGS, bq, bkv), cdt, transforms=TILED) if interpret else None,
             plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if has_seg else None,
             plgpu.SMEM((n_steps, bkv), jnp.int32) if has_seg else None,
+            plgpu.SMEM((COMPUTE_WGS + 1, SPAN_WIDTH), jnp.int32) if has_seg else None,
         )
-        seg_bars = ((plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=n_steps)) if has_seg
-                    else (None, None))
+        seg_bars = ((plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=n_steps),
+                     plgpu.Barrier(num_barriers=COMPUTE_WGS + 1)) if has_seg else (None, None, None))
         bars = (plgpu.Barrier(num_barriers=n_steps), plgpu.Barrier(num_barriers=n_steps),
                 plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=COMPUTE_WGS), *seg_bars)
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=n_steps),) * 2
@@ -426,5 +470,5 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **extra,
-    )(q, k, v, sc_rows, *([seg] if has_seg else []))
+    )(q, k, v, sc_rows, *([seg, span_rows(seg, COMPUTE_WGS * bq)] if has_seg else []))
     return tuple(outs)

@@ -23,6 +23,8 @@ its Hopper machinery (TMA producer warpgroup, wgmma, shared-memory slots):
     (`flash_attention_mosaic.kv_producer`, shared with the forward). Per block: S = Q K^T and dP = dO V^T,
     P = exp2(S c - lse), dS = P (dP - delta), dQ += dS K with dS (fp16) in registers. Causal: only blocks up to
     the diagonal, the interior ones without a mask; heaviest query tiles launch first.
+  * Packed documents: every kernel visits only the blocks where its CTA's document ids occur (the forward's
+    `document_blocks`): the dq kernel's kv loop and the dk/dv kernel's query loop are narrowed to that span.
   * Padded query rows have dO = 0 and so add nothing; padded keys are masked (non-causal; under causal masking
     no real query sees them) so their dS is exactly 0, and their dk/dv rows are dropped by the wrapper.
 
@@ -42,9 +44,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
-from .flash_attention_mosaic import (COMPUTE_WGS, TILED, TILED_F32, col_of, kv_producer, kv_visibility, mm, mm_pair,
-                                     mma_into, mma_smem_into, mosaic_interpret_params, over_kv_blocks, row_of,
-                                     visible_kv_blocks)
+from .flash_attention_mosaic import (COMPUTE_WGS, SPAN_WIDTH, TILED, TILED_F32, col_of, document_blocks, kv_producer,
+                                     kv_visibility, mm, mm_pair, mma_into, mma_smem_into, mosaic_interpret_params,
+                                     over_kv_blocks, query_tile_kv_blocks, row_of, span_rows)
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
 
@@ -81,16 +83,18 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
     has_seg = seg is not None
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):
-        seg_ref, dq_ref, scratch = rest if has_seg else (None, *rest)
+        seg_ref, span_ref, dq_ref, scratch = rest if has_seg else (None, None, *rest)
         (q_smem2, do_smem2, dq_smem2, k_smem, v_smem, lse_smem2, delta_smem2, sc_smem2, a_smem2, qseg_smem2,
-         kseg_smem), bars, free = scratch
-        k_bar, v_bar, in_bar, kseg_bar = bars
+         kseg_smem, span_smem), bars, free = scratch
+        k_bar, v_bar, in_bar, kseg_bar, span_bar = bars
         k_free, v_free = free
         batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        cta_base = (n_q_tiles - 1 - lax.axis_index("q_seq")) * (COMPUTE_WGS * bq)
+        tile = n_q_tiles - 1 - lax.axis_index("q_seq")                             # heaviest tiles first
+        cta_base = tile * (COMPUTE_WGS * bq)
 
-        visible_blocks = functools.partial(visible_kv_blocks, causal=causal, block_kv=bkv, real_blocks=real_blocks)
-
+        start, visible_blocks = query_tile_kv_blocks(
+            (span_ref, span_smem, span_bar) if has_seg else None, batch=batch, tile=tile, wg=wg, causal=causal,
+            block_kv=bkv, real_blocks=real_blocks)
         cta_steps = visible_blocks(cta_base + COMPUTE_WGS * bq)
 
         @pl.when(wg < COMPUTE_WGS)
@@ -118,7 +122,7 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
             q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=rows) if has_seg else None
 
             def step(j, dq, masked: bool):
-                slot = lax.rem(j, jnp.int32(slots))
+                slot = lax.rem(j - start, jnp.int32(slots))
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 s, dp = mm_pair(q_smem, k_smem.at[slot].transpose((1, 0)), do_smem, v_smem.at[slot].transpose((1, 0)),
@@ -139,10 +143,10 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
 
             dq = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
             dq = over_kv_blocks(step, dq, steps=steps, q_base=q_base, causal=causal, has_seg=has_seg, block_kv=bkv,
-                                seq_len=seq_len)
-            if causal:
+                                seq_len=seq_len, start=start)
+            if causal or has_seg:
                 def release(j, _):
-                    slot = lax.rem(j, jnp.int32(slots))
+                    slot = lax.rem(j - start, jnp.int32(slots))
                     plgpu.barrier_wait(k_bar.at[slot])
                     plgpu.barrier_wait(v_bar.at[slot])
                     if has_seg:
@@ -160,9 +164,10 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
             plgpu.set_max_registers(40, action="decrease")
             kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, batch=batch,
                         kv_head=lax.div(head, jnp.int32(group)), steps=cta_steps, slots=slots, block=bkv,
-                        static=not causal, seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None)
+                        static=not (causal or has_seg), seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None,
+                        start=start)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):   # rest: [seg_ref,] dq_ref
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):   # rest: [seg_ref, span_ref,] dq
         w = COMPUTE_WGS
         smem = (plgpu.SMEM((w, bq, d), cdt, transforms=TILED), plgpu.SMEM((w, bq, d), cdt, transforms=TILED),
                 plgpu.SMEM((w, bq, d), out_dtype, transforms=TILED),
@@ -171,10 +176,12 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
                 plgpu.SMEM((w, 2, bq), jnp.float32),
                 plgpu.SMEM((w, bq, bkv), cdt, transforms=TILED) if interpret else None,
                 plgpu.SMEM((w, bq), jnp.int32) if has_seg else None,
-                plgpu.SMEM((slots, bkv), jnp.int32) if has_seg else None)
+                plgpu.SMEM((slots, bkv), jnp.int32) if has_seg else None,
+                plgpu.SMEM((w + 1, SPAN_WIDTH), jnp.int32) if has_seg else None)
         bars = (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
                 plgpu.Barrier(num_barriers=(6 if has_seg else 5) * w),
-                plgpu.Barrier(num_barriers=slots) if has_seg else None)
+                plgpu.Barrier(num_barriers=slots) if has_seg else None,
+                plgpu.Barrier(num_barriers=w + 1) if has_seg else None)
         free = (plgpu.Barrier(num_arrivals=w, num_barriers=slots),) * 2
         pl.run_scoped(lambda *scr: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest, scr),
                       smem, bars, free, collective_axes="wg")
@@ -183,7 +190,8 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
     return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(q.shape, out_dtype), grid=(h, n_q_tiles, b),
                         grid_names=("heads", "q_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(approx_math=True), **extra,
-                        )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32), *([seg] if has_seg else []))
+                        )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32),
+                          *([seg, span_rows(seg, COMPUTE_WGS * bq)] if has_seg else []))
 
 
 def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret, fuse_dq):
@@ -218,11 +226,11 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
     has_seg = seg is not None
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):
-        seg_ref, rest = (rest[0], rest[1:]) if has_seg else (None, rest)
+        seg_ref, span_ref, rest = (rest[0], rest[1], rest[2:]) if has_seg else (None, None, rest)
         dq_acc_ref, rest = (rest[0], rest[1:]) if fuse_dq else (None, rest)
         dk_ref, dv_ref, scratch = rest
-        (kv_smem, out_smem, q_smem, do_smem, lse_smem, delta_smem, sc_smem2, a_smem2,
-         kseg_smem2, qseg_smem), (q_bar, do_bar, lse_bar, delta_bar, own_bar, qseg_bar, ds_ready), free = scratch
+        (kv_smem, out_smem, q_smem, do_smem, lse_smem, delta_smem, sc_smem2, a_smem2, kseg_smem2, qseg_smem,
+         span_smem), (q_bar, do_bar, lse_bar, delta_bar, own_bar, qseg_bar, ds_ready, span_bar), free = scratch
         k_smem2, v_smem2 = kv_smem
         if fuse_dq:                # the dk/dv staging shares its shared memory with dq's staging and dS^T
             (dk_smem2, dv_smem2), (dq_smem2, ds_smem3) = out_smem
@@ -231,7 +239,13 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
         batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
         cta_base = lax.axis_index("kv_seq") * (w * bkv)   # causal: the heaviest (first) tiles first
         cta_i0 = first_q_block(cta_base)
-        per_head = n_qb - cta_i0                                    # query blocks per head of the group
+        q_end = n_qb                                      # query blocks [cta_i0, q_end) are streamed per head
+        if has_seg:        # every warpgroup (the producer too) reads the tile's document span: its query blocks
+            doc_first, doc_end = document_blocks(span_ref, span_smem, span_bar, batch=batch,
+                                                 tile=lax.axis_index("kv_seq"), wg=wg, block=bq)
+            cta_i0 = jnp.maximum(cta_i0, doc_first)
+            q_end = jnp.maximum(jnp.minimum(q_end, doc_end), cta_i0)
+        per_head = q_end - cta_i0                                   # query blocks per head of the group
         total = group * per_head
 
         @pl.when(wg < w)
@@ -254,7 +268,7 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
             dv_mult = plgpu.load(sc_smem2.at[wg, 2, pl.ds(0, bkv)], (), layout=rows)
             k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=rows) if has_seg else None
             # Split dq: both warpgroups visit the same query blocks (the later one's first is fully masked).
-            wg_i0 = cta_i0 if split else first_q_block(kv_base)
+            wg_i0 = cta_i0 if split else jnp.clip(first_q_block(kv_base), cta_i0, q_end)
             # Query blocks starting at or after kv_base + bkv see every key of this warpgroup: no mask. Without
             # causal masking, only a warpgroup holding padded keys masks (all its blocks).
             if causal:
@@ -351,7 +365,7 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                 if causal:
                     lax.fori_loop(cta_i0, wg_i0, functools.partial(release, g=g), None)
                 if has_seg:                         # segment ids mask every block
-                    return lax.fori_loop(wg_i0, n_qb, functools.partial(step, g=g, masked=True), carry)
+                    return lax.fori_loop(wg_i0, q_end, functools.partial(step, g=g, masked=True), carry)
                 if causal or ragged:
                     carry = lax.fori_loop(wg_i0, unmasked_from, functools.partial(step, g=g, masked=True), carry)
                 return lax.fori_loop(unmasked_from, n_qb, functools.partial(step, g=g, masked=False), carry)
@@ -398,7 +412,7 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                 plgpu.barrier_wait(free.at[lax.rem(t, jnp.int32(slots))])
             lax.fori_loop(jnp.maximum(total - slots, 0), total, drain, None)
 
-    def entry(*refs):                   # q, k, v, do, lse, delta, sc, [seg,] [dq_acc,] dk, dv
+    def entry(*refs):                   # q, k, v, do, lse, delta, sc, [seg, span,] [dq_acc,] dk, dv
         kv = (plgpu.SMEM((w, bkv, d), cdt, transforms=TILED), plgpu.SMEM((w, bkv, d), cdt, transforms=TILED))
         out = (plgpu.SMEM((w, bkv, d), out_dtype, transforms=TILED),
                plgpu.SMEM((w, bkv, d), out_dtype, transforms=TILED))
@@ -411,16 +425,19 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                 plgpu.SMEM((w, 3, width), jnp.float32),
                 plgpu.SMEM((w, bkv, bq), cdt, transforms=TILED) if interpret and not fuse_dq else None,
                 plgpu.SMEM((w, bkv), jnp.int32) if has_seg else None,
-                plgpu.SMEM((slots, bq), jnp.int32) if has_seg else None)
+                plgpu.SMEM((slots, bq), jnp.int32) if has_seg else None,
+                plgpu.SMEM((w + 1, SPAN_WIDTH), jnp.int32) if has_seg else None)
         bars = (tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4))
                 + (plgpu.Barrier(num_barriers=(4 if has_seg else 3) * w),
                    plgpu.Barrier(num_barriers=slots) if has_seg else None,
-                   plgpu.Barrier(num_arrivals=w) if split else None))
+                   plgpu.Barrier(num_arrivals=w) if split else None,
+                   plgpu.Barrier(num_barriers=w + 1) if has_seg else None))
         pl.run_scoped(lambda *scr: kernel(*refs, scr), smem, bars,
                       plgpu.Barrier(num_arrivals=w, num_barriers=slots), collective_axes="wg")
 
     kv_type = jax.ShapeDtypeStruct(k.shape, out_dtype)
-    operands = (q, k, v, do, lse, delta, sc_rows.astype(jnp.float32)) + ((seg,) if has_seg else ())
+    operands = (q, k, v, do, lse, delta, sc_rows.astype(jnp.float32)) + (
+        (seg, span_rows(seg, w * bkv)) if has_seg else ())
     params = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
     if interpret:
         params["interpret"] = mosaic_interpret_params()

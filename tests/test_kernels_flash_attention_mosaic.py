@@ -211,3 +211,37 @@ def test_mosaic_interpret_without_interpreter_says_so():
     q, kv = jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="needs Mosaic GPU's interpreter .* use backend='triton'"):
         flash_attention(q, kv, kv, backend="mosaic", interpret=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal,fuse_dq", [(True, True), (False, True), (True, False)],
+                         ids=["causal", "full", "causal-dqkernel"])
+def test_mosaic_kernels_skip_other_documents_blocks(causal, fuse_dq):
+    """Two block-aligned documents; the first's q, k, v, dO, lse and delta are NaN. The kernels (called below the
+    wrapper, whose operand scaling would spread a NaN) narrow every block loop to the tile's documents, so the
+    second document's results are bit-identical to a run with the first document zeroed (a visited block, even
+    fully masked, would bring 0 * NaN in)."""
+    from pallas_kernels.flash_attention_mosaic import mosaic_forward
+    from pallas_kernels.flash_attention_mosaic_bwd import mosaic_backward
+
+    b, s, h, kvh, d = 1, 256, 2, 1, 64
+    rng = np.random.default_rng(41)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), jnp.float16)
+    q, k, v, do = draw(b, s, h, d), draw(b, s, kvh, d), draw(b, s, kvh, d), draw(b, s, h, d)
+    seg = jnp.asarray(np.repeat([[1, 2]], s // 2, axis=1), jnp.int32)
+    sc = jnp.ones((b, kvh, 4), jnp.float32).at[..., 0].set(1.4427 / np.sqrt(d))
+    kw = dict(causal=causal, seq_len=s, interpret=True)
+    first = (jnp.arange(s) < s // 2)[None, :, None, None]
+
+    def run(fill):
+        qq, kk, vv, dd = (jnp.where(first, fill, x).astype(jnp.float16) for x in (q, k, v, do))
+        out, lse = mosaic_forward(qq, kk, vv, sc[..., :2], seg, block_q=64, block_kv=64, max_steps=2,
+                                  out_dtype=jnp.float16, residual=False, **kw)
+        delta = jnp.sum(out.astype(jnp.float32) * dd.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+        grads = mosaic_backward(qq, kk, vv, lse, delta, dd, sc, seg, block_q=64, block_kv=64, slots=2,
+                                out_dtype=jnp.float16, fuse_dq=fuse_dq, **kw)
+        return [x.astype(jnp.float32)[:, s // 2:] for x in (out, *grads)]
+
+    poisoned, clean = ([np.asarray(x) for x in jax.jit(lambda: run(fill))()] for fill in (jnp.nan, 0.0))
+    differ = [name for name, a, r in zip(("out", "dq", "dk", "dv"), poisoned, clean) if not np.array_equal(a, r)]
+    assert not differ, f"{differ} of the second document depend on the first"
