@@ -176,6 +176,22 @@ def test_mosaic_lowers_for_cuda_llama3_8b(causal, seq, head_dim, packed):
     assert len(MOSAIC_CALL.findall(text)) == 3 and TRITON not in text      # forward, dq, dk/dv
 
 
+def test_mosaic_lowers_for_cuda_under_vmap():
+    """The pipeline vmaps its stage function: the fused dk/dv/dq kernel (a Ref accumulator in pl.run_state, with
+    a vmap rule folding the vmapped axis into batch) lowers under jax.vmap with packed documents too."""
+    S = jax.ShapeDtypeStruct
+    q, kv, seg = (S((2, 1, 1024, 8, 128), jnp.bfloat16), S((2, 1, 1024, 2, 128), jnp.bfloat16),
+                  S((2, 1, 1024), jnp.int32))
+
+    def fwd_bwd(q, k, v, s, do):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, segment_ids=s, backend="mosaic",
+                                                           interpret=False), q, k, v)
+        return out, vjp(do)
+
+    text = lower_for_cuda(jax.vmap(fwd_bwd), q, kv, kv, seg, q)
+    assert len(MOSAIC_CALL.findall(text)) == 2 and TRITON not in text
+
+
 def test_mosaic_lowering_rejects_shared_memory_overflow_before_launch():
     """The wrapper's own budget check names the fix; it agrees with Mosaic's allocator on what fits."""
     q, kv = jnp.zeros((1, 256, 4, 128), jnp.bfloat16), jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
