@@ -306,21 +306,26 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                         same = row_of(k_seg, bq) == col_of(q_seg, bkv)
                         vis = same if vis is None else jnp.logical_and(vis, same)
                     pt = jnp.where(vis, pt, 0.0)
-                staging = a_smem
-                if fuse_dq:
-                    ds_smem = ds_smem3.at[lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds)), wg]
-                    staging = ds_smem if interpret else None        # free until dS^T is written below
-                dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], staging)
                 delta = plgpu.load(delta_smem.at[slot], (), layout=cols)
                 dst = (pt * (dpt - col_of(delta, bkv))).astype(cdt)
                 if not fuse_dq:
-                    dk = mma_into(dk, dst, q_smem.at[slot], staging)
+                    dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], a_smem)
+                    dk = mma_into(dk, dst, q_smem.at[slot], a_smem)
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv
-                # dS^T goes to shared memory: the A operand of dK += dS^T Q, and (transposed) of dQ_i = dS K,
-                # which is added into the fp32 dq accumulator in global memory by a TMA reduce-add.
-                ds_smem[...] = dst
-                plgpu.commit_smem()
+                # dS^T goes to shared memory, while the dV wgmma runs: the A operand of dK += dS^T Q, and
+                # (transposed) of dQ_i = dS K, which is added into the fp32 dq accumulator in global memory by a
+                # TMA reduce-add.
+                ds_smem = ds_smem3.at[lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds)), wg]
+
+                def store_ds():
+                    ds_smem[...] = dst
+                    plgpu.commit_smem()
+                if interpret:                   # P^T is staged through ds_smem there: dS^T goes in afterwards
+                    dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], ds_smem)
+                    store_ds()
+                else:
+                    dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], then=store_ds)
                 if split:                       # both dS^T of this block are written (the other buffer is free)
                     plgpu.barrier_arrive(ds_ready)
                     plgpu.barrier_wait(ds_ready)
