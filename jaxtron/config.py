@@ -576,6 +576,15 @@ def validate_for_devices(cfg: Config, num_devices: int, platform: Optional[str] 
     sizes = resolve_mesh_shape(cfg.parallel, num_devices)
     t, m = cfg.train, cfg.model
     _check_batch(t, sizes["data"] * sizes["fsdp"])
+    if platform == "cpu" and m.attention_impl == "mosaic" and not m.deterministic_attention:
+        from pallas_kernels.flash_attention import INTERPRET_DQ_BYTES, interpret_dq_bytes
+
+        rows = micro_batch_size(t, sizes["data"] * sizes["fsdp"])
+        seq = -(-cfg.data.seq_len // 128) * 128              # as flash_attention pads it (default blocks)
+        need = interpret_dq_bytes(rows, seq, m.num_heads // sizes["tensor"], head_dim(m))
+        _check(need <= INTERPRET_DQ_BYTES, "model.deterministic_attention",
+               f"'mosaic' on CPU (interpreted) sums its fused dq through {need / 2**30:.1f} GiB of partial sums at "
+               f"data.seq_len={cfg.data.seq_len}; set model.deterministic_attention=true or a shorter data.seq_len")
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
         _check(getattr(m, name) % sizes["tensor"] == 0, "parallel.tensor",
                f"model.{name}={getattr(m, name)} is not divisible by tensor={sizes['tensor']}")

@@ -700,6 +700,13 @@ def _validate(q, k, v, segment_ids, softmax_scale, sliding_window, blocks):
 # an H100 (Llama-3-8B shapes, seq 4096). Mosaic: block_q rows per compute warpgroup (two per CTA), 128-key
 # blocks double-buffered (FlashAttention-3's head_dim-128 tile; three stages exceed shared memory there).
 _FWD_DEFAULTS = {"triton": (64, 64, 3), "mosaic": (64, 128, 2)}
+INTERPRET_DQ_BYTES = 1 << 30    # interpret mode's fused-dq partial sums beyond this are refused (CPU memory)
+
+
+def interpret_dq_bytes(batch: int, seq: int, heads: int, head_dim: int, block_k_bwd: int = 64) -> int:
+    """Memory of backend='mosaic''s fused dq in interpret mode: one fp32 partial sum per key warpgroup
+    (`flash_attention_mosaic_bwd`); seq padded as flash_attention pads it."""
+    return (seq // block_k_bwd) * batch * seq * heads * head_dim * 4
 
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale=None, sliding_window=None,
@@ -755,6 +762,13 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
         bq, bk = min(block_q, cap), min(block_k, cap)
         multiple = max(bq, bk, bqb, bkb)
     sp = cdiv(s, multiple) * multiple
+    if backend == "mosaic" and interpret and fuse_dq is not False:
+        partial = interpret_dq_bytes(b, sp, h, d, bkb)
+        if partial > INTERPRET_DQ_BYTES:
+            raise ValueError(f"flash_attention(backend='mosaic', interpret=True): the fused dq needs "
+                             f"{partial / 2**30:.1f} GiB of partial sums at seq {s} (Mosaic GPU's interpreter has "
+                             f"no reduce-add); pass "
+                             f"fuse_dq=False (model.deterministic_attention=true) or a shorter sequence")
     warps = num_warps if num_warps is not None else 4
     cfg = _Config(
         backend=backend, causal=bool(causal),

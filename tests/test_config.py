@@ -68,6 +68,10 @@ BAD = [
     # float32 there (model.dtype)
     (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256", "model.num_heads=4",
       "model.num_kv_heads=2"], "model.dtype" if HAS_MOSAIC_INTERPRETER else "model.attention_impl"),
+    # ... and with bf16, a fused dq whose interpreted partial sums would not fit in memory
+    (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256", "model.num_heads=4",
+      "model.num_kv_heads=2", "model.dtype=bfloat16", "data.seq_len=16384"],
+     "model.deterministic_attention" if HAS_MOSAIC_INTERPRETER else "model.attention_impl"),
     (["parallel.data=2", "parallel.fsdp=-1", "parallel.tensor=-1"], "parallel"),
     (["train.steps"], "train.steps"),
 ]

@@ -215,6 +215,9 @@ def test_mosaic_validation():
             flash_attention(q, kv, kv, backend="mosaic", interpret=False, **kw)
     with pytest.raises(ValueError, match="fuse_dq is a bool option of backend='mosaic'.*backend='triton'"):
         flash_attention(q, kv, kv, backend="triton", fuse_dq=True)
+    big_q, big_kv = jnp.zeros((1, 16384, 8, 128), jnp.bfloat16), jnp.zeros((1, 16384, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"fused dq needs 16.0 GiB .* fuse_dq=False"):   # before any tracing
+        flash_attention(big_q, big_kv, big_kv, backend="mosaic", interpret=True)
     with pytest.raises(ValueError, match="bfloat16 or float16 .* backend='triton' for float32"):
         flash_attention(q.astype(jnp.float32), kv.astype(jnp.float32), kv.astype(jnp.float32), backend="mosaic")
     with pytest.raises(ValueError, match=r"head_dim \(64, 128\), got 256"):
