@@ -50,6 +50,11 @@ from .flash_attention_mosaic import (COMPUTE_WGS, SPAN_WIDTH, TILED, TILED_F32, 
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
 
+# Registers per thread in the dk/dv kernel: its compute warpgroups carry dK and dV (2 x 64 fp32) across the loop
+# plus S^T and dP^T (issued together), so they get FlashAttention-3's split for two compute warpgroups, 240, and
+# the TMA producer 24 (2 * 240 + 24 warpgroup-registers x 128 threads = 64,512 of the SM's 65,536).
+DKV_COMPUTE_REGS, DKV_PRODUCER_REGS = 240, 24
+
 
 def bwd_smem_bytes(head_dim: int, block_q: int, block_kv: int, slots: int, out_itemsize: int,
                    interpret: bool, fuse_dq: bool = True) -> int:
@@ -250,7 +255,7 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
 
         @pl.when(wg < w)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(DKV_COMPUTE_REGS, action="increase")
             k_smem, v_smem, dk_smem, dv_smem = k_smem2.at[wg], v_smem2.at[wg], dk_smem2.at[wg], dv_smem2.at[wg]
             # Interpret mode stages register operands ([bkv, bq], 16-bit) here; with fuse_dq in the dS^T buffer.
             a_smem = a_smem2.at[wg] if interpret and not fuse_dq else None
@@ -388,7 +393,7 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
 
         @pl.when(wg == w)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(DKV_PRODUCER_REGS, action="decrease")
 
             def load(t, slot):
                 g = lax.div(t, per_head)
