@@ -251,12 +251,12 @@ def over_kv_blocks(step, carry, *, steps, q_base, causal: bool, has_seg: bool, b
 
 
 def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, batch, kv_head, steps, slots: int,
-                block: int, static: bool, seg=None, start=0):
+                block: int, seg=None, start=0):
     """The TMA warpgroup: K/V blocks start..steps-1 of (batch, kv_head) into `slots` rotating shared-memory slots
     (block j in slot (j - start) % slots).
     A slot is refilled once both compute warpgroups have released it (k_free / v_free, two arrivals), and the
     last releases are waited for too, so every barrier phase is observed (the interpreter checks this).
-    static: steps is a Python int. seg: (seg_ref [b, sp], seg_smem [slots, block], seg_bar) to bring each
+    steps may be a Python int (then the first loads are unconditional). seg: (seg_ref [b, sp], seg_smem [slots, block], seg_bar) to bring each
     block's segment ids along (packed documents)."""
     def load(j, slot):
         blk = (batch, pl.ds(j * block, block), kv_head)
@@ -266,6 +266,7 @@ def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, b
             seg_ref, seg_smem, seg_bar = seg
             plgpu.copy_gmem_to_smem(seg_ref.at[batch, pl.ds(j * block, block)], seg_smem.at[slot], seg_bar.at[slot])
 
+    static = isinstance(steps, int)
     for i in range(slots):
         if not static:
             pl.when(start + i < steps)(functools.partial(load, start + jnp.int32(i), i))
@@ -433,8 +434,7 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
             plgpu.set_max_registers(40, action="decrease")
             kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, batch=batch,
                         kv_head=lax.div(head, jnp.int32(group)), steps=cta_steps, slots=n_steps, block=bkv,
-                        static=not (causal or has_seg), seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None,
-                        start=start)
+                        seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None, start=start)
 
     def entry(q_ref, k_ref, v_ref, sc_ref, *outs):       # outs: [seg_ref, span_ref,] out, lse[, o_res]
         smem = (

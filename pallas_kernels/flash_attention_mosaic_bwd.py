@@ -169,8 +169,7 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
             plgpu.set_max_registers(40, action="decrease")
             kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, batch=batch,
                         kv_head=lax.div(head, jnp.int32(group)), steps=cta_steps, slots=slots, block=bkv,
-                        static=not (causal or has_seg), seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None,
-                        start=start)
+                        seg=(seg_ref, kseg_smem, kseg_bar) if has_seg else None, start=start)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sc_ref, *rest):   # rest: [seg_ref, span_ref,] dq
         w = COMPUTE_WGS
