@@ -468,6 +468,7 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
         grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name="flash_attention_mosaic_fwd",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **extra,
     )(q, k, v, sc_rows, *([seg, span_rows(seg, COMPUTE_WGS * bq)] if has_seg else []))

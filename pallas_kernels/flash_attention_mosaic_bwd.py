@@ -193,7 +193,8 @@ def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, ou
     extra = {"interpret": mosaic_interpret_params()} if interpret else {}
     return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(q.shape, out_dtype), grid=(h, n_q_tiles, b),
                         grid_names=("heads", "q_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(approx_math=True), **extra,
+                        kernel_name="flash_attention_mosaic_dq", compiler_params=plgpu.CompilerParams(approx_math=True),
+                        **extra,
                         )(q, k, v, do, lse, delta, sc_rows.astype(jnp.float32),
                           *([seg, span_rows(seg, COMPUTE_WGS * bq)] if has_seg else []))
 
@@ -453,15 +454,15 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
     if not fuse_dq:
         dk, dv = plgpu.kernel(entry, out_type=(kv_type, kv_type), grid=(kvh, n_kv_tiles, b),
                               grid_names=("kv_heads", "kv_seq", "batch"), num_threads=w + 1, thread_name="wg",
-                              **params)(*operands)
+                              kernel_name="flash_attention_mosaic_dkv", **params)(*operands)
         return None, dk, dv
     # The dq accumulator is a zero-initialised fp32 buffer the kernel adds into in place: a Ref operand, inside
     # pl.run_state so no Ref escapes (`pl.kernel` rather than `plgpu.kernel`, whose batching wrapper takes no
     # Refs). dk and dv are written through Refs as well.
     acc_shape = ((n_kv_tiles * w,) if interpret else ()) + q.shape
     mesh = plgpu.Mesh(grid=(kvh, n_kv_tiles, b), grid_names=("kv_heads", "kv_seq", "batch"), num_threads=w + 1,
-                      thread_name="wg")
-    launch = pl.kernel(entry, out_type=(), mesh=mesh, name="flash_attention_mosaic_dkv_dq", **params)
+                      thread_name="wg", kernel_name="flash_attention_mosaic_dkv_dq")
+    launch = pl.kernel(entry, out_type=(), mesh=mesh, **params)
     dq_acc, dk, dv = pl.run_state(lambda refs: launch(*operands, *refs))(
         (jnp.zeros(acc_shape, jnp.float32), jnp.zeros(k.shape, out_dtype), jnp.zeros(k.shape, out_dtype)))
     return (dq_acc.sum(0) if interpret else dq_acc), dk, dv
