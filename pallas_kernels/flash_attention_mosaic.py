@@ -49,7 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ._common import cdiv
 from .segments import block_spans
 
-__all__ = ["mosaic_forward", "check_mosaic", "MOSAIC_HEAD_DIMS", "mosaic_interpret_params"]
+__all__ = ["mosaic_forward", "check_mosaic", "MOSAIC_HEAD_DIMS", "mosaic_interpret_params", "opaque_zero"]
 
 COMPUTE_WGS = 2
 MOSAIC_HEAD_DIMS = (64, 128)
@@ -178,6 +178,15 @@ def mma_smem_into(acc, a_ref, b_ref, interpret: bool):
     def in_place(acc_ref):
         plgpu.wgmma(acc_ref, a_ref, b_ref)
     return pl.run_state(in_place)(plgpu.ACC.init(acc))
+
+
+def opaque_zero(zero_smem, wg):
+    """0, read from shared memory (`zero_smem[wg]`, which warpgroup wg set to 0) where the compiler cannot prove
+    it. A loop indexes its loop-invariant tiles with it (`tiles.at[wg + zero]`, positions `base + zero + iota`):
+    otherwise LLVM hoists their wgmma descriptors (one 64-bit value per 16-wide k-step and operand) and the
+    masks' per-thread iota values out of the loop, and ptxas spills them (see scripts/mosaic_sass.py). Inside
+    the loop they cost a few uniform-register adds; the load itself is one shared-memory read per iteration."""
+    return zero_smem[wg]
 
 
 def visible_kv_blocks(q_end, *, causal: bool, block_kv: int, real_blocks: int):

@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ._common import cdiv
 from .flash_attention_mosaic import (COMPUTE_WGS, SPAN_WIDTH, TILED, TILED_F32, col_of, document_blocks, kv_producer,
                                      kv_visibility, mm, mm_pair, mma_into, mma_smem_into, mosaic_interpret_params,
-                                     over_kv_blocks, query_tile_kv_blocks, row_of, span_rows)
+                                     opaque_zero, over_kv_blocks, query_tile_kv_blocks, row_of, span_rows)
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
 
@@ -235,7 +235,8 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
         dq_acc_ref, rest = (rest[0], rest[1:]) if fuse_dq else (None, rest)
         dk_ref, dv_ref, scratch = rest
         (kv_smem, out_smem, q_smem, do_smem, lse_smem, delta_smem, sc_smem2, a_smem2, kseg_smem2, qseg_smem,
-         span_smem), (q_bar, do_bar, lse_bar, delta_bar, own_bar, qseg_bar, ds_ready, span_bar), free = scratch
+         span_smem, zero_smem), bars, free = scratch
+        q_bar, do_bar, lse_bar, delta_bar, own_bar, qseg_bar, ds_ready, span_bar = bars
         k_smem2, v_smem2 = kv_smem
         if fuse_dq:                # the dk/dv staging shares its shared memory with dq's staging and dS^T
             (dk_smem2, dv_smem2), (dq_smem2, ds_smem3) = out_smem
@@ -257,6 +258,7 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
         def _compute():
             plgpu.set_max_registers(DKV_COMPUTE_REGS, action="increase")
             k_smem, v_smem, dk_smem, dv_smem = k_smem2.at[wg], v_smem2.at[wg], dk_smem2.at[wg], dv_smem2.at[wg]
+            zero_smem[wg] = jnp.int32(0)                 # see opaque_zero
             # Interpret mode stages register operands ([bkv, bq], 16-bit) here; with fuse_dq in the dS^T buffer.
             a_smem = a_smem2.at[wg] if interpret and not fuse_dq else None
             kv_base = cta_base + wg * bkv
@@ -294,12 +296,17 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                 dk, dv = carry
                 slot = slot_of(g, i)
                 wait_inputs(slot)
-                st, dpt = mm_pair(k_smem, q_smem.at[slot].transpose((1, 0)), v_smem, do_smem.at[slot].transpose((1, 0)),
-                                  (bkv, bq))
+                # K and V (and the mask's key positions) through an opaque 0, so that their wgmma descriptors are
+                # computed here rather than hoisted and spilled: dk, dv, S^T and dP^T leave no room for them.
+                zero = opaque_zero(zero_smem, wg)
+                k_smem, v_smem = k_smem2.at[wg + zero], v_smem2.at[wg + zero]
+                st, dpt = mm_pair(k_smem, q_smem.at[slot].transpose((1, 0)), v_smem,
+                                  do_smem.at[slot].transpose((1, 0)), (bkv, bq))
                 lse = plgpu.load(lse_smem.at[slot], (), layout=cols)
                 pt = jnp.exp2(st * col_of(c, bkv) - col_of(lse, bkv))
                 if masked:
-                    k_pos = kv_base + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+                    k_pos = (kv_base + zero) + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0,
+                                                                      layout=plgpu.Layout.WGMMA)
                     vis = None
                     if causal:
                         q_pos = i * bq + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
@@ -340,18 +347,18 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                 if split:
                     buf = lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds))
                     for half in range(w):
-                        pl.when(wg == half)(functools.partial(dq_half, i, head, buf, half))
+                        pl.when(wg == half)(functools.partial(dq_half, i, head, buf, half, zero))
                 else:
                     dq_out(mm(ds_smem.transpose((1, 0)), k_smem, (bq, d)), i, head, pl.ds(0, d))
                 return dk, dv
 
-            def dq_half(i, head, buf, half):
+            def dq_half(i, head, buf, half, zero):
                 """dQ_i[:, half] = sum over both warpgroups' keys of dS K[:, half], reduce-added."""
                 cols_ = pl.ds(half * dq_cols, dq_cols)
 
                 def body(acc_ref):
                     for j in range(w):
-                        plgpu.wgmma(acc_ref, ds_smem3.at[buf, j].transpose((1, 0)), k_smem2.at[j, :, cols_])
+                        plgpu.wgmma(acc_ref, ds_smem3.at[buf, j].transpose((1, 0)), k_smem2.at[j + zero, :, cols_])
                     return acc_ref[...]
                 dq_out(pl.run_scoped(body, plgpu.ACC((bq, dq_cols), jnp.float32)), i, head, cols_)
 
@@ -436,7 +443,8 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                 plgpu.SMEM((w, bkv, bq), cdt, transforms=TILED) if interpret and not fuse_dq else None,
                 plgpu.SMEM((w, bkv), jnp.int32) if has_seg else None,
                 plgpu.SMEM((slots, bq), jnp.int32) if has_seg else None,
-                plgpu.SMEM((w + 1, SPAN_WIDTH), jnp.int32) if has_seg else None)
+                plgpu.SMEM((w + 1, SPAN_WIDTH), jnp.int32) if has_seg else None,
+                plgpu.SMEM((w,), jnp.int32))
         bars = (tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4))
                 + (plgpu.Barrier(num_barriers=(4 if has_seg else 3) * w),
                    plgpu.Barrier(num_barriers=slots) if has_seg else None,
