@@ -341,15 +341,26 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                 if split:                       # both dS^T of this block are written (the other buffer is free)
                     plgpu.barrier_arrive(ds_ready)
                     plgpu.barrier_wait(ds_ready)
-                dk = mma_smem_into(dk, ds_smem, q_smem.at[slot], interpret)
-                plgpu.barrier_arrive(free.at[slot])         # q / dO of this slot are no longer read
                 head = kv_head * group + g
-                if split:
-                    buf = lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds))
-                    for half in range(w):
-                        pl.when(wg == half)(functools.partial(dq_half, i, head, buf, half, zero))
-                else:
-                    dq_out(mm(ds_smem.transpose((1, 0)), k_smem, (bq, d)), i, head, pl.ds(0, d))
+
+                def dq_block():
+                    """This warpgroup's share of dQ_i: issued, waited for (with every wgmma before it), reduce-added."""
+                    if split:
+                        buf = lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds))
+                        for half in range(w):
+                            pl.when(wg == half)(functools.partial(dq_half, i, head, buf, half, zero))
+                    else:
+                        dq_out(mm(ds_smem.transpose((1, 0)), k_smem, (bq, d)), i, head, pl.ds(0, d))
+
+                if interpret:
+                    dk = mma_smem_into(dk, ds_smem, q_smem.at[slot], interpret)
+                    dq_block()
+                else:                           # dK += dS^T Q and dQ's wgmmas back to back, one wait for both
+                    def dk_then_dq(dk_ref):
+                        plgpu.wgmma(dk_ref, ds_smem, q_smem.at[slot])
+                        dq_block()
+                    dk = pl.run_state(dk_then_dq)(plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(free.at[slot])         # q / dO of this slot are no longer read
                 return dk, dv
 
             def dq_half(i, head, buf, half, zero):
