@@ -10,9 +10,10 @@ its Hopper machinery (TMA producer warpgroup, wgmma, shared-memory slots):
     in shared memory) and a producer streaming (q, dO, lse, delta) blocks for every query head of the GQA group
     and every visible query block, so the group sum happens in the accumulators. Per block: S^T = K Q^T,
     P^T = exp2(S^T c - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
-  * fuse_dq (default): dS^T also goes to shared memory, dQ_i = dS K (wgmma with the transposed dS^T as A) is
-    staged in fp32 and added into a zero-initialised fp32 accumulator [b, sp, h, d] in global memory by a TMA
-    reduce-add (cp.reduce.async.bulk); the wrapper applies dq's multiplier. Five matmuls per (query block, key
+  * dV and dK take P^T and dS^T from registers (FlashAttention-3's RS form) and are issued together.
+  * fuse_dq (default): dS^T also goes to shared memory while they run; dQ_i = dS K (wgmma with the transposed
+    dS^T as A) is staged in fp32 and added into a zero-initialised fp32 accumulator [b, sp, h, d] in global
+    memory by a TMA reduce-add (cp.reduce.async.bulk); the wrapper applies dq's multiplier. Five matmuls per (query block, key
     block) instead of seven, and no second pass over K/V; the order of the fp32 sums varies from run to run.
     With head_dim 128 both warpgroups' dS^T are double-buffered and each warpgroup computes half of dQ_i's
     columns over the CTA's 2 * block_k keys, so a CTA issues one reduce-add per query block, not two.
@@ -325,42 +326,31 @@ def _dkv(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, o
                     dk = mma_into(dk, dst, q_smem.at[slot], a_smem)
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv
-                # dS^T goes to shared memory, while the dV wgmma runs: the A operand of dK += dS^T Q, and
-                # (transposed) of dQ_i = dS K, which is added into the fp32 dq accumulator in global memory by a
-                # TMA reduce-add.
+                # dV += P^T dO and dK += dS^T Q both take their A operand from registers and run together, while
+                # dS^T goes to shared memory: there it is the A operand (transposed) of dQ_i = dS K, which is added
+                # into the fp32 dq accumulator in global memory by a TMA reduce-add.
                 ds_smem = ds_smem3.at[lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds)), wg]
-
-                def store_ds():
-                    ds_smem[...] = dst
-                    plgpu.commit_smem()
-                if interpret:                   # P^T is staged through ds_smem there: dS^T goes in afterwards
+                if interpret:                   # register operands are staged through ds_smem there; dS^T last
                     dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], ds_smem)
-                    store_ds()
+                    dk = mma_into(dk, dst, q_smem.at[slot], ds_smem)
                 else:
-                    dv = mma_into(dv, pt.astype(cdt), do_smem.at[slot], then=store_ds)
+                    def dv_dk(refs):
+                        dv_ref, dk_ref = refs
+                        plgpu.wgmma(dv_ref, pt.astype(cdt), do_smem.at[slot])
+                        plgpu.wgmma(dk_ref, dst, q_smem.at[slot])
+                        ds_smem[...] = dst
+                        plgpu.commit_smem()
+                    dv, dk = pl.run_state(dv_dk)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                plgpu.barrier_arrive(free.at[slot])         # q / dO of this slot are no longer read
+                head = kv_head * group + g
                 if split:                       # both dS^T of this block are written (the other buffer is free)
                     plgpu.barrier_arrive(ds_ready)
                     plgpu.barrier_wait(ds_ready)
-                head = kv_head * group + g
-
-                def dq_block():
-                    """This warpgroup's share of dQ_i: issued, waited for (with every wgmma before it), reduce-added."""
-                    if split:
-                        buf = lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds))
-                        for half in range(w):
-                            pl.when(wg == half)(functools.partial(dq_half, i, head, buf, half, zero))
-                    else:
-                        dq_out(mm(ds_smem.transpose((1, 0)), k_smem, (bq, d)), i, head, pl.ds(0, d))
-
-                if interpret:
-                    dk = mma_smem_into(dk, ds_smem, q_smem.at[slot], interpret)
-                    dq_block()
-                else:                           # dK += dS^T Q and dQ's wgmmas back to back, one wait for both
-                    def dk_then_dq(dk_ref):
-                        plgpu.wgmma(dk_ref, ds_smem, q_smem.at[slot])
-                        dq_block()
-                    dk = pl.run_state(dk_then_dq)(plgpu.ACC.init(dk))
-                plgpu.barrier_arrive(free.at[slot])         # q / dO of this slot are no longer read
+                    buf = lax.rem(g * per_head + i - cta_i0, jnp.int32(n_ds))
+                    for half in range(w):
+                        pl.when(wg == half)(functools.partial(dq_half, i, head, buf, half, zero))
+                else:
+                    dq_out(mm(ds_smem.transpose((1, 0)), k_smem, (bq, d)), i, head, pl.ds(0, d))
                 return dk, dv
 
             def dq_half(i, head, buf, half, zero):
