@@ -106,8 +106,11 @@ _REPORT = {
 
 
 def parse_ptxas(text: str) -> dict:
-    """ptxas -v's report for one entry function -> kernel, arch, registers, spill bytes, stack bytes."""
-    out = {}
+    """ptxas -v's report for one entry function -> kernel, arch, registers, spill bytes, stack bytes, and
+    `serialized`: ptxas's "Potential Performance Loss" notes (for example wgmma.mma_async serialized because its
+    register operands are touched while it runs), which cost as much as spills and are only printed."""
+    out = {"serialized": [line.split(":", 1)[1].strip() for line in text.splitlines()
+                          if line.startswith("ptxas") and "Performance Loss" in line]}
     for key, pattern in _REPORT.items():
         match = pattern.search(text)
         if match is None:
@@ -264,11 +267,13 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"{'head_dim':>8}  {'first case':<22} {'kernel':<34} {'arch':<7} {'regs':>4} {'spill st':>8} "
+        print(f"{'head_dim':>8}  {'first case':<22} {'kernel':<30} {'arch':<7} {'regs':>4} {'spill st':>8} "
               f"{'spill ld':>8} {'stack':>5} {'s':>5}")
         for r in rows:
-            print(f"{r['head_dim']:>8}  {r['case']:<22} {r['kernel']:<34} {r['arch']:<7} {r['registers']:>4} "
+            print(f"{r['head_dim']:>8}  {r['case']:<22} {r['kernel']:<30} {r['arch']:<7} {r['registers']:>4} "
                   f"{r['spill_stores']:>8} {r['spill_loads']:>8} {r['stack']:>5} {r['compile_s']:>5}")
+            for note in r["serialized"]:
+                print(f"{'':>10}ptxas: {note}")
             for loop in r.get("loops", ()):
                 print(f"{'':>10}loop {loop['start']}-{loop['end']}: {loop['instructions']} instructions, "
                       f"{loop['hgmma']} HGMMA, {loop['stl']} STL, {loop['ldl']} LDL")
