@@ -263,17 +263,25 @@ def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, b
                 block: int, seg=None, start=0):
     """The TMA warpgroup: K/V blocks start..steps-1 of (batch, kv_head) into `slots` rotating shared-memory slots
     (block j in slot (j - start) % slots).
-    A slot is refilled once both compute warpgroups have released it (k_free / v_free, two arrivals), and the
-    last releases are waited for too, so every barrier phase is observed (the interpreter checks this).
-    steps may be a Python int (then the first loads are unconditional). seg: (seg_ref [b, sp], seg_smem [slots, block], seg_bar) to bring each
-    block's segment ids along (packed documents)."""
-    def load(j, slot):
-        blk = (batch, pl.ds(j * block, block), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_bar.at[slot])
+    A slot's K is refilled once both compute warpgroups have released its K (k_free, two arrivals), and its V
+    once they have released its V (v_free): K is read first and released first, so the next K load starts
+    while the last V is still in use. The last releases are waited for too, so every barrier phase is observed
+    (the interpreter checks this). steps may be a Python int (then the first loads are unconditional).
+    seg: (seg_ref [b, sp], seg_smem [slots, block], seg_bar) to bring each block's segment ids along (packed
+    documents). They go in with V, after both K and V of the slot are released: the forward reads them after
+    releasing K, the dq kernel after releasing V."""
+    def load_k(j, slot):
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(j * block, block), kv_head], k_smem.at[slot], k_bar.at[slot])
+
+    def load_v(j, slot):
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(j * block, block), kv_head], v_smem.at[slot], v_bar.at[slot])
         if seg is not None:
             seg_ref, seg_smem, seg_bar = seg
             plgpu.copy_gmem_to_smem(seg_ref.at[batch, pl.ds(j * block, block)], seg_smem.at[slot], seg_bar.at[slot])
+
+    def load(j, slot):
+        load_k(j, slot)
+        load_v(j, slot)
 
     static = isinstance(steps, int)
     for i in range(slots):
@@ -284,9 +292,10 @@ def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, b
 
     def refill(j, _):
         slot = lax.rem(j - start, jnp.int32(slots))
-        plgpu.barrier_wait(k_free.at[slot])            # both warpgroups are done with block j - slots
-        plgpu.barrier_wait(v_free.at[slot])
-        load(j, slot)
+        plgpu.barrier_wait(k_free.at[slot])            # both warpgroups are done with K of block j - slots
+        load_k(j, slot)
+        plgpu.barrier_wait(v_free.at[slot])            # ... and with its V
+        load_v(j, slot)
     lax.fori_loop(start + jnp.int32(slots), steps, refill, None)
 
     def drain(j, _):
