@@ -12,8 +12,13 @@ Design (FlashAttention-3's forward structure, written for Pallas' Mosaic GPU dia
     once both compute warpgroups have released it (`k_free` / `v_free` barriers, two arrivals each).
   * Compute warpgroups: S = Q K^T by wgmma from shared memory into a register accumulator; online softmax in the
     log2 domain (exp2(s * c - m), c = softmax_scale * log2(e) * s_q * s_k); O += P V by wgmma with P (fp16) in
-    registers and O carried as the accumulator (`pl.run_state`). The two warpgroups ping-pong on a shared
-    barrier so that one's softmax overlaps the other's matmuls.
+    registers and O carried as the accumulator (`pl.run_state`).
+  * FlashAttention-3's two overlaps. Within a warpgroup, block j's S = Q K_j^T and block j-1's O += P V are
+    issued together; S is waited for alone (`wgmma_accumulator_load(wait_n=1)`) and block j's softmax runs
+    while P V is in flight (the carried O is rescaled up to block j-1's max, without P_{j-1} V_{j-1}; P_j turns
+    16-bit only after that wgmma is done, as a register feeding a wgmma in flight makes ptxas serialize them).
+    Between warpgroups, they take turns issuing (`turn`, one barrier each), so one's softmax runs under the
+    other's matmuls.
   * Causal: a warpgroup visits only the kv blocks up to its diagonal; blocks entirely below the diagonal run
     without building the mask. CTAs are launched heaviest (last query tile) first. The warpgroup with fewer
     blocks still releases the slots it skips so the producer never waits forever.
@@ -23,16 +28,19 @@ Design (FlashAttention-3's forward structure, written for Pallas' Mosaic GPU dia
   * GQA: the CTA for query head h loads kv head h // group; K/V are never repeated in memory.
 
 Segment ids (packed documents): each K/V block brings its ids along (a small TMA copy into the same slot);
-every visited block is then masked (same id, and causal), and a row with no visible key gets lse = +inf and
-output 0, as in the Triton kernels (only padded rows can have none). Only the blocks where the CTA's document
-ids occur are visited (`segments.block_spans`, read by each warpgroup from a 128-byte row: `document_blocks`):
-the producer and both compute warpgroups start at that span's first block (`start`) and stop at its end.
+every visited block is then masked (same id, and causal; a masked logit is -inf, so P is exactly 0), and a row
+with no visible key gets lse = +inf and output 0, as in the Triton kernels (only padded rows can have none).
+Only the blocks where the CTA's document ids occur are visited (`segments.block_spans`, read by each
+warpgroup from a 128-byte row: `document_blocks`): the producer and both compute warpgroups start at that
+span's first block (`start`) and stop at its end.
 
-Not in this backend (the wrapper refuses them with a clear error; the Triton backend has them): sliding windows, fp32 inputs (wgmma has no IEEE fp32 mode), head_dim other than 64 or 128.
+Not in this backend (the wrapper refuses them with a clear error; the Triton backend has them): sliding
+windows, fp32 inputs (wgmma has no IEEE fp32 mode), head_dim other than 64 or 128.
 
 Interpret mode: Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`, JAX >= 0.11) has no `run_state` and
 no register operand for wgmma, so with interpret=True P goes through a shared-memory buffer and P V lands in
-a fresh accumulator that is added to O; everything else (barriers, TMA slots, masks, softmax) is the same code.
+a fresh accumulator that is added to O, one matmul at a time; everything else (the deferred P V, barriers,
+turns, TMA slots, masks, softmax) is the same code.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ __all__ = ["mosaic_forward", "check_mosaic", "MOSAIC_HEAD_DIMS", "mosaic_interpr
 COMPUTE_WGS = 2
 MOSAIC_HEAD_DIMS = (64, 128)
 _SMEM_BYTES = 227 * 1024       # H100 shared memory per CTA
-_NEG = -1e30                    # masked logit (finite: a masked row never makes inf - inf)
+_NEG = -1e30                    # the running max's start (finite: a row that sees no key never makes inf - inf)
 _RCP_LN2 = 1.0 / math.log(2.0)
 
 
@@ -244,19 +252,19 @@ def query_tile_kv_blocks(span, *, batch, tile, wg, causal: bool, block_kv: int, 
 def over_kv_blocks(step, carry, *, steps, q_base, causal: bool, has_seg: bool, block_kv: int, seq_len: int,
                    start=0):
     """carry through `step(j, carry, masked)` for kv blocks start..steps-1 of a query tile starting at q_base, in
-    order, masking only where needed: every block with segment ids (where start may be > 0: the first block of
-    the tile's documents); under causal masking the blocks reaching the diagonal (padded keys only sit there);
-    otherwise the last block when it holds padded keys."""
+    order, masking only where needed: every block with segment ids; under causal masking the blocks reaching the
+    diagonal (padded keys only sit there); otherwise the last block when it holds padded keys. start: the first
+    block of the tile's documents (segment ids), or a Python int (the forward starts after its first block)."""
     if has_seg:
         return lax.fori_loop(start, steps, functools.partial(step, masked=True), carry)
     if causal:
-        full = jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), steps)
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+        full = jnp.maximum(jnp.minimum(lax.div(q_base, jnp.int32(block_kv)), steps), start)
+        carry = lax.fori_loop(start, full, functools.partial(step, masked=False), carry)
         return lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
     ragged_last = seq_len % block_kv != 0
     full = steps - 1 if ragged_last else steps
-    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-    return step(jnp.int32(full), carry, masked=True) if ragged_last else carry
+    carry = lax.fori_loop(start, full, functools.partial(step, masked=False), carry)
+    return step(jnp.int32(full), carry, masked=True) if ragged_last and full >= start else carry
 
 
 def kv_producer(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, batch, kv_head, steps, slots: int,
@@ -331,7 +339,7 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
         ores_ref = rest[2] if residual else None
         scratch = rest[-1]
         (q_smem2, o_smem2, k_smem, v_smem, sc_smem2, lse_smem2, p_smem2, qseg_smem2, kseg_smem, span_smem), bars, \
-            (k_free, v_free), sched = scratch
+            (k_free, v_free), turn = scratch
         k_bar, v_bar, q_bar, sc_bar, qseg_bar, kseg_bar, span_bar = bars
         batch = lax.axis_index("batch")
         head = lax.axis_index("heads")
@@ -343,10 +351,6 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
             (span_ref, span_smem, span_bar) if has_seg else None, batch=batch, tile=tile, wg=wg, causal=causal,
             block_kv=bkv, real_blocks=real_blocks)
         cta_steps = visible_blocks(cta_base + COMPUTE_WGS * bq)
-
-        def rendezvous():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -369,65 +373,105 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
             m0 = plgpu.layout_cast(jnp.full((bq,), _NEG, jnp.float32), row_layout)
             l0 = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
             acc0 = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            plgpu.barrier_wait(k_bar.at[0])                 # every warpgroup visits at least one block
-            pl.when(wg == 1)(rendezvous)                    # offsets the two warpgroups by half a step
+            def kv_slot(j):
+                return lax.rem(j - start, jnp.int32(n_steps))
 
-            def step(j, carry, masked: bool):
-                acc, m, l = carry
-                slot = lax.rem(j - start, jnp.int32(n_steps))
+            # Ping-pong: the warpgroups take turns issuing their matmuls (turn[wg], one arrival each), so one's
+            # softmax runs while the other's matmuls do; warpgroup 1 hands warpgroup 0 the first turn.
+            def my_turn():
+                plgpu.barrier_wait(turn.at[wg])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    rendezvous()                            # the other warpgroup's softmax runs meanwhile
-                    return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
+            def pass_turn():
+                plgpu.barrier_arrive(turn.at[1 - wg])
+
+            def softmax(s, j, m, l, masked: bool):
+                """(m, l, alpha, P in fp32) after kv block j's logits s (scaled by c on the way)."""
                 if masked:
                     vis = kv_visibility(q_base, j, block_q=bq, block_kv=bkv, causal=causal, seq_len=seq_len)
                     if has_seg:
-                        plgpu.barrier_wait(kseg_bar.at[slot])
-                        k_seg = plgpu.load(kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                        plgpu.barrier_wait(kseg_bar.at[kv_slot(j)])
+                        k_seg = plgpu.load(kseg_smem.at[kv_slot(j)], (), layout=plgpu.Layout.WGMMA.reduce(0))
                         vis = jnp.logical_and(vis, row_of(q_seg, bkv) == col_of(k_seg, bq))
-                    s = jnp.where(vis, s, _NEG)
+                    # -inf, so that exp2 makes P exactly 0 without keeping the mask: m starts finite (_NEG), so a
+                    # row that sees no key of this block keeps m and gets alpha 1 and P 0.
+                    s = jnp.where(vis, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s * row_of(c, bkv) - row_of(m_new, bkv))
-                if masked and has_seg:
-                    p = jnp.where(vis, p, 0.0)              # a row may see no key of this block
-                acc = acc * row_of(alpha, d)
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(cdt)
-                plgpu.barrier_arrive(sched)                 # softmax done
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched)                   # the other warpgroup's matmuls are issued
+                return m_new, l * alpha + p.sum(axis=1), alpha, p
 
-                def wait_next_k():
-                    nxt = j + 1
+            def qk(slot, then):
+                """S = Q K^T for the K in `slot`, fresh; then() runs while the wgmma is in flight."""
+                def body(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    then()
+                    return s_ref[...]
+                return pl.run_scoped(body, plgpu.ACC((bq, bkv), jnp.float32))
 
-                    @pl.when(nxt < steps)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt - start, jnp.int32(n_steps))])
+            # FlashAttention-3's intra-warpgroup overlap: block j's S = Q K_j^T and the previous block's
+            # O += P_{j-1} V_{j-1} are issued together, and block j's softmax runs while the latter is in flight.
+            # The carry holds O rescaled up to block j-1's running max, without P_{j-1} V_{j-1}.
+            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+            plgpu.barrier_wait(k_bar.at[0])                 # every warpgroup visits at least one block
+            my_turn()
+            s = qk(0, pass_turn)
+            plgpu.barrier_arrive(k_free.at[0])
+            m, l, alpha, p = softmax(s, start if has_seg else jnp.int32(start), m0, l0, masked=True)  # exact
 
-                acc = mma_into(acc, p16, v_smem.at[slot], p_smem, then=wait_next_k)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
+            def step(j, carry, masked: bool):
+                acc, m, l, alpha, p16 = carry
+                slot, prev = kv_slot(j), kv_slot(j - 1)
+                acc = acc * row_of(alpha, d)                # O in units of block j-1's running max
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+                if interpret:                               # no register A operand, no run_state: one at a time
+                    acc = mma_into(acc, p16, v_smem.at[prev], p_smem)
+                    my_turn()
+                    s = qk(slot, pass_turn)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    m, l, alpha, p = softmax(s, j, m, l, masked)
+                else:
+                    # P_j becomes 16-bit only after P_{j-1} V_{j-1} is done: registers feeding a wgmma must not be
+                    # written while one is in flight, or ptxas serializes every wgmma (scripts/mosaic_sass.py).
+                    def issue(refs):
+                        acc_ref, m_ref, l_ref, alpha_ref, p_ref = refs
 
-            acc, m, l = over_kv_blocks(step, (acc0, m0, l0), steps=steps, q_base=q_base, causal=causal,
-                                       has_seg=has_seg, block_kv=bkv, seq_len=seq_len, start=start)
+                        def body(s_ref):
+                            my_turn()
+                            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
+                            pass_turn()
+                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S only: P V still runs
+                            plgpu.barrier_arrive(k_free.at[slot])
+                            m_ref[...], l_ref[...], alpha_ref[...], p_ref[...] = softmax(
+                                s, j, m_ref[...], l_ref[...], masked)
+                        pl.run_scoped(body, plgpu.ACC((bq, bkv), jnp.float32))
+                    p = jnp.zeros((bq, bkv), jnp.float32)   # replaced inside
+                    acc, m, l, alpha, p = pl.run_state(issue)((plgpu.ACC.init(acc), m, l, alpha, p))
+                plgpu.barrier_arrive(v_free.at[prev])
+                return acc, m, l, alpha, p.astype(cdt)
+
+            acc, m, l, alpha, p16 = over_kv_blocks(
+                step, (acc0, m, l, alpha, p.astype(cdt)), steps=steps, q_base=q_base, causal=causal,
+                has_seg=has_seg, block_kv=bkv, seq_len=seq_len, start=start + 1)
+            last = kv_slot(steps - 1)                       # the last block's P V
+            plgpu.barrier_wait(v_bar.at[last])
+            acc = mma_into(acc * row_of(alpha, d), p16, v_smem.at[last], p_smem)
+            plgpu.barrier_arrive(v_free.at[last])
 
             def release(j, _):                              # blocks only the other warpgroup needs
-                slot = lax.rem(j - start, jnp.int32(n_steps))
+                slot = kv_slot(j)
                 plgpu.barrier_wait(k_bar.at[slot])          # keeps this warpgroup's barrier phases in step
                 plgpu.barrier_wait(v_bar.at[slot])
                 if has_seg:
                     plgpu.barrier_wait(kseg_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                rendezvous()
-                rendezvous()
+                my_turn()
+                pass_turn()
             if causal:
                 lax.fori_loop(steps, cta_steps, release, None)
-            pl.when(wg == 0)(rendezvous)
+            pl.when(wg == 0)(my_turn)                       # warpgroup 1's last hand-over
 
             if has_seg:                                     # rows that saw no key: output 0, lse +inf
                 empty = l == 0.0
@@ -473,7 +517,7 @@ def mosaic_forward(q, k, v, sc, seg=None, *, causal: bool, seq_len: int, block_q
                 plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=COMPUTE_WGS), *seg_bars)
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=n_steps),) * 2
         pl.run_scoped(lambda *scr: kernel(q_ref, k_ref, v_ref, sc_ref, *outs, scr),
-                      smem, bars, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), collective_axes="wg")
+                      smem, bars, free, plgpu.Barrier(num_barriers=COMPUTE_WGS), collective_axes="wg")
 
     out_type = [jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((b, h, sp), jnp.float32)]
     if residual:
