@@ -156,35 +156,20 @@ def mm_pair(a1_ref, b1_ref, a2_ref, b2_ref, shape):
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
-def mma_into(acc, a, b_ref, a_smem=None, then=None):
-    """acc + a @ b_ref: acc an fp32 register tile, a a 16-bit register tile, b in shared memory; `then()` runs
-    while the wgmma is in flight. On hardware the wgmma accumulates into acc in place (pl.run_state). Interpret
-    mode (a_smem given) stages a through shared memory and adds a fresh product (see the module docstring)."""
+def mma_into(acc, a, b_ref, a_smem=None):
+    """acc + a @ b_ref: acc an fp32 register tile, a a 16-bit register tile, b in shared memory. On hardware the
+    wgmma accumulates into acc in place (pl.run_state). Interpret mode (a_smem given) stages a through shared
+    memory and adds a fresh product (see the module docstring)."""
     if a_smem is not None:
         a_smem[...] = a
 
         def staged(acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_ref)
-            if then is not None:
-                then()
             return acc_ref[...]
         return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
 
     def in_place(acc_ref):
         plgpu.wgmma(acc_ref, a, b_ref)
-        if then is not None:
-            then()
-    return pl.run_state(in_place)(plgpu.ACC.init(acc))
-
-
-def mma_smem_into(acc, a_ref, b_ref, interpret: bool):
-    """acc + a_ref @ b_ref with both operands in shared memory: in place on hardware, a fresh product added to acc
-    in interpret mode (no `run_state` there)."""
-    if interpret:
-        return acc + mm(a_ref, b_ref, acc.shape)
-
-    def in_place(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, b_ref)
     return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 

@@ -13,8 +13,9 @@ its Hopper machinery (TMA producer warpgroup, wgmma, shared-memory slots):
   * dV and dK take P^T and dS^T from registers (FlashAttention-3's RS form) and are issued together.
   * fuse_dq (default): dS^T also goes to shared memory while they run; dQ_i = dS K (wgmma with the transposed
     dS^T as A) is staged in fp32 and added into a zero-initialised fp32 accumulator [b, sp, h, d] in global
-    memory by a TMA reduce-add (cp.reduce.async.bulk); the wrapper applies dq's multiplier. Five matmuls per (query block, key
-    block) instead of seven, and no second pass over K/V; the order of the fp32 sums varies from run to run.
+    memory by a TMA reduce-add (cp.reduce.async.bulk); the wrapper applies dq's multiplier. Five matmuls per
+    (query block, key block) instead of seven, and no second pass over K/V; the order of the fp32 sums varies
+    from run to run.
     With head_dim 128 both warpgroups' dS^T are double-buffered and each warpgroup computes half of dQ_i's
     columns over the CTA's 2 * block_k keys, so a CTA issues one reduce-add per query block, not two.
     The accumulator goes in as a Ref (pl.run_state around pl.kernel); a vmap rule folds a vmapped axis into
@@ -46,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
 from .flash_attention_mosaic import (COMPUTE_WGS, SPAN_WIDTH, TILED, TILED_F32, col_of, document_blocks, kv_producer,
-                                     kv_visibility, mm, mm_pair, mma_into, mma_smem_into, mosaic_interpret_params,
+                                     kv_visibility, mm, mm_pair, mma_into, mosaic_interpret_params,
                                      opaque_zero, over_kv_blocks, query_tile_kv_blocks, row_of, span_rows)
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
