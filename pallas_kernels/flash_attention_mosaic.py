@@ -13,12 +13,13 @@ Design (FlashAttention-3's forward structure, written for Pallas' Mosaic GPU dia
   * Compute warpgroups: S = Q K^T by wgmma from shared memory into a register accumulator; online softmax in the
     log2 domain (exp2(s * c - m), c = softmax_scale * log2(e) * s_q * s_k); O += P V by wgmma with P (fp16) in
     registers and O carried as the accumulator (`pl.run_state`).
-  * FlashAttention-3's two overlaps. Within a warpgroup, block j's S = Q K_j^T and block j-1's O += P V are
-    issued together; S is waited for alone (`wgmma_accumulator_load(wait_n=1)`) and block j's softmax runs
-    while P V is in flight (the carried O is rescaled up to block j-1's max, without P_{j-1} V_{j-1}; P_j turns
-    16-bit only after that wgmma is done, as a register feeding a wgmma in flight makes ptxas serialize them).
-    Between warpgroups, they take turns issuing (`turn`, one barrier each), so one's softmax runs under the
-    other's matmuls.
+  * FlashAttention-3's schedule: block j's S = Q K_j^T and block j-1's O += P V are issued together (the carried
+    O is rescaled up to block j-1's max, without P_{j-1} V_{j-1}), and the two warpgroups take turns issuing
+    (`turn`, one barrier each), so one's softmax runs under the other's matmuls. S is waited for alone
+    (`wgmma_accumulator_load(wait_n=1)`) so that block j's softmax could also run under this warpgroup's own
+    P V; P_j turns 16-bit only after that wgmma is done (a register feeding a wgmma in flight makes ptxas
+    serialize every wgmma). In the SASS, though, ptxas gives P_{j-1}'s registers to the softmax and so waits
+    for P V first: that intra-warpgroup overlap is not realized (scripts/mosaic_sass.py --sass).
   * Causal: a warpgroup visits only the kv blocks up to its diagonal; blocks entirely below the diagonal run
     without building the mask. CTAs are launched heaviest (last query tile) first. The warpgroup with fewer
     blocks still releases the slots it skips so the producer never waits forever.
