@@ -409,6 +409,18 @@ def validate(cfg: Config) -> Config:
                f"'mosaic' supports head_dim {MOSAIC_HEAD_DIMS}, the model has {head_dim(m)}; use 'pallas'")
         _check(m.dtype != "float32", "model.attention_impl",
                "'mosaic' computes in bf16/fp16 (wgmma has no IEEE fp32); model.dtype=float32 needs 'pallas'")
+    if m.attention_impl == "pallas":
+        from pallas_kernels.flash_attention import head_dim_supported
+
+        _check(head_dim_supported(head_dim(m)), "model.attention_impl",
+               f"'pallas' needs head_dim a power of two >= 16 (64, 128, 256), the model has {head_dim(m)}; "
+               "use 'xla'")
+    if m.rope_impl == "pallas":
+        from pallas_kernels.rope import head_dim_supported as rope_head_dim_supported
+
+        _check(rope_head_dim_supported(head_dim(m)), "model.rope_impl",
+               f"'pallas' needs head_dim/2 a power of two (head_dim 64, 128, 256), the model has {head_dim(m)}; "
+               "use 'xla'")
     _check(not (m.deterministic_attention and m.attention_impl == "cudnn"), "model.deterministic_attention",
            "cuDNN's attention backward is not deterministic here; use model.attention_impl=pallas or mosaic")
     for name in ("rope_impl", "mlp_impl"):

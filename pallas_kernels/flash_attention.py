@@ -82,12 +82,17 @@ from .segments import block_spans
 from .flash_attention_mosaic import check_mosaic, mosaic_forward
 from .flash_attention_mosaic_bwd import mosaic_backward
 
-__all__ = ["flash_attention", "flash_attention_reference"]
+__all__ = ["flash_attention", "flash_attention_reference", "head_dim_supported"]
 
 _LOG2E = math.log2(math.e)
 _NEG = -1e30            # finite "minus infinity" for masked logits (log2 domain) and the running-max init
 _MIN_BLOCK = 16         # Triton dots need every dimension >= 16
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def head_dim_supported(d: int) -> bool:
+    """Whether the Triton kernel takes this head_dim: a power of two >= 16 (64, 128 and 256 are the usual)."""
+    return d >= _MIN_BLOCK and is_pow2(d)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -675,7 +680,7 @@ def _validate(q, k, v, segment_ids, softmax_scale, sliding_window, blocks):
         raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({kvh})")
     if b <= 0 or s <= 0:
         raise ValueError(f"batch and seq must be positive, got q shape {q.shape}")
-    if d < _MIN_BLOCK or not is_pow2(d):
+    if not head_dim_supported(d):
         raise ValueError(f"head_dim must be a power of two >= {_MIN_BLOCK} (e.g. 64, 128, 256), got {d}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")

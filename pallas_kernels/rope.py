@@ -32,7 +32,12 @@ from jax.experimental.pallas import triton as pltriton
 
 from ._common import cdiv, check_backend, is_pow2, pick_block, resolve_interpret
 
-__all__ = ["apply_rope", "rope_inv_freq", "rope_reference"]
+__all__ = ["apply_rope", "rope_inv_freq", "rope_reference", "head_dim_supported"]
+
+
+def head_dim_supported(d: int) -> bool:
+    """Whether the Triton kernel takes this head_dim: even, with head_dim/2 a power of two (64 and 128 are)."""
+    return d % 2 == 0 and is_pow2(d // 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,7 +165,7 @@ def _validate(q, k, positions, inv_freq):
         raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({kh})")
     if d % 2:
         raise ValueError(f"head_dim must be even, got {d}")
-    if not is_pow2(d // 2):
+    if not head_dim_supported(d):
         raise ValueError(f"head_dim/2 must be a power of two for the Triton kernel, got head_dim={d}")
     if positions.shape != (b, s):
         raise ValueError(f"positions must be [batch, seq] = {(b, s)}, got {positions.shape}")

@@ -72,6 +72,8 @@ BAD = [
     (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256", "model.num_heads=4",
       "model.num_kv_heads=2", "model.dtype=bfloat16", "data.seq_len=16384"],
      "model.deterministic_attention" if HAS_MOSAIC_INTERPRETER else "model.attention_impl"),
+    (["model.attention_impl=pallas", "model.hidden_size=64", "model.num_heads=8"], "model.attention_impl"),
+    (["model.rope_impl=pallas", "model.hidden_size=96", "model.num_heads=4"], "model.rope_impl"),
     (["parallel.data=2", "parallel.fsdp=-1", "parallel.tensor=-1"], "parallel"),
     (["train.steps"], "train.steps"),
 ]
