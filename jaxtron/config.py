@@ -73,6 +73,10 @@ class ModelConfig:
                                               "'pallas' always are; 'cudnn' is refused.")
     rope_impl: str = _f("xla", "Rotary embedding: 'xla' or 'pallas' (fused q/k kernel; interpret mode on CPU).")
     mlp_impl: str = _f("xla", "SwiGLU activation: 'xla' or 'pallas' (fused kernel; interpret mode on CPU).")
+    check_kernels: bool = _f(True, "On GPUs, before compiling the train step, run each selected Pallas/Mosaic "
+                                   "kernel forward and backward on a small problem against the XLA reference "
+                                   "and stop with an error naming the field if it disagrees "
+                                   "(jaxtron/train/kernel_check.py).")
     remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
     scan_unroll: int = _f(1, "Decoder blocks per iteration of the layer scan (1: rolled). Unrolling lets XLA fuse "
                              "across blocks and, inside a pipeline tick's checkpoint, merge the blocks' own "

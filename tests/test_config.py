@@ -74,6 +74,7 @@ BAD = [
      "model.deterministic_attention" if HAS_MOSAIC_INTERPRETER else "model.attention_impl"),
     (["model.attention_impl=pallas", "model.hidden_size=64", "model.num_heads=8"], "model.attention_impl"),
     (["model.rope_impl=pallas", "model.hidden_size=96", "model.num_heads=4"], "model.rope_impl"),
+    (["model.check_kernels=maybe"], "model.check_kernels"),
     (["parallel.data=2", "parallel.fsdp=-1", "parallel.tensor=-1"], "parallel"),
     (["train.steps"], "train.steps"),
 ]

@@ -180,6 +180,7 @@ class Trainer:
         self.skipped = {"skipped_total": 0, "skipped_in_a_row": 0}
         self._data = None
         self._stop_reason: Optional[str] = None
+        self._kernels_checked = False
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -430,6 +431,15 @@ class Trainer:
             if ckpt is not None:
                 ckpt.close()  # waits for a save in flight
 
+    def _check_kernels(self) -> None:
+        """On GPUs, the selected Pallas/Mosaic kernels against XLA, once per trainer (kernel_check.py); a
+        disagreement raises KernelCheckError (a ConfigError naming the field)."""
+        from jaxtron.train.kernel_check import check_kernels, needs_check
+
+        if not self._kernels_checked and needs_check(self.cfg, self.mesh.devices.flat[0].platform):
+            check_kernels(self.cfg)
+        self._kernels_checked = True
+
     def _train(self, ckpt: Optional[Checkpointer]) -> TrainResult:
         cfg = self.cfg
         t = cfg.train
@@ -442,6 +452,7 @@ class Trainer:
             log.info("the checkpoint is at step %d and train.steps=%d: nothing to do", start, t.steps)
             result.state = self.state
             return result
+        self._check_kernels()
         data = self.data
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         fpt = {c: flops_per_token(cfg.model, cfg.data.seq_len, c) for c in ("full", "causal")}
