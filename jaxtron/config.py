@@ -601,6 +601,17 @@ def validate_for_devices(cfg: Config, num_devices: int, platform: Optional[str] 
         _check(need <= INTERPRET_DQ_BYTES, "model.deterministic_attention",
                f"'mosaic' on CPU (interpreted) sums its fused dq through {need / 2**30:.1f} GiB of partial sums at "
                f"data.seq_len={cfg.data.seq_len}; set model.deterministic_attention=true or a shorter data.seq_len")
+    if platform == "cpu" and m.attention_impl == "mosaic":
+        from pallas_kernels.flash_attention_mosaic import INTERPRET_THREADS, interpret_threads
+
+        _check(num_devices == 1, "model.attention_impl",
+               f"'mosaic' on CPU runs in Mosaic GPU's interpreter, which simulates one GPU per process: kernels "
+               f"interpreted on {num_devices} CPU devices at once trip over each other's barriers; train on one "
+               "device (jaxtron.Trainer(cfg, devices=jax.devices()[:1])) or use 'pallas'")
+        _check(interpret_threads() >= INTERPRET_THREADS, "model.attention_impl",
+               f"'mosaic' on CPU needs {INTERPRET_THREADS} XLA CPU threads for Mosaic GPU's interpreter and XLA "
+               f"has {interpret_threads()} here (max of cores and CPU devices), so it would deadlock; use "
+               "'pallas'")
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
         _check(getattr(m, name) % sizes["tensor"] == 0, "parallel.tensor",
                f"model.{name}={getattr(m, name)} is not divisible by tensor={sizes['tensor']}")

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -67,13 +68,32 @@ _NEG = -1e30                    # the running max's start (finite: a row that se
 _RCP_LN2 = 1.0 / math.log(2.0)
 
 
+# Mosaic GPU's interpreter runs each warpgroup (two compute, one producer) as an XLA computation of its own that
+# blocks in callbacks on simulated barriers, while the kernel's own computation waits for them: all four need an
+# XLA CPU thread at once. XLA's CPU client has max(cores, CPU devices) threads; with fewer it deadlocks.
+INTERPRET_THREADS = COMPUTE_WGS + 2
+
+
+def interpret_threads() -> int:
+    """Threads of XLA's CPU client here: max(usable cores, CPU devices)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores, len(jax.devices("cpu")))
+
+
 def mosaic_interpret_params():
-    """Mosaic GPU interpret-mode parameters, or a clear error where this JAX has no public GPU interpreter."""
+    """Mosaic GPU interpret-mode parameters, or a clear error where this JAX has no public GPU interpreter or
+    where XLA's CPU client has too few threads to run it without deadlocking."""
     params = getattr(plgpu, "InterpretGPUParams", None)
     if params is None:
         raise NotImplementedError(
             f"flash_attention(backend='mosaic', interpret=True) needs Mosaic GPU's interpreter "
             f"(jax >= 0.11; this is jax {jax.__version__}); use backend='triton' on CPU")
+    if interpret_threads() < INTERPRET_THREADS:
+        raise RuntimeError(
+            f"flash_attention(backend='mosaic', interpret=True) needs {INTERPRET_THREADS} XLA CPU threads (one per "
+            f"simulated warpgroup, and the kernel's own), and XLA has {interpret_threads()} here (max of cores "
+            f"and CPU devices); with fewer the interpreter deadlocks. Start Python with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={INTERPRET_THREADS}, or use backend='triton'")
     return params()
 
 

@@ -75,6 +75,9 @@ BAD = [
     (["model.attention_impl=pallas", "model.hidden_size=64", "model.num_heads=8"], "model.attention_impl"),
     (["model.rope_impl=pallas", "model.hidden_size=96", "model.num_heads=4"], "model.rope_impl"),
     (["model.check_kernels=maybe"], "model.check_kernels"),
+    # a valid bf16 mosaic config on the 8 CPU devices tests run with: the interpreter simulates one GPU
+    (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256", "model.num_heads=4",
+      "model.num_kv_heads=2", "model.dtype=bfloat16"], "model.attention_impl"),
     (["parallel.data=2", "parallel.fsdp=-1", "parallel.tensor=-1"], "parallel"),
     (["train.steps"], "train.steps"),
 ]
@@ -112,3 +115,19 @@ def test_help_lists_fields_with_docs_and_defaults():
     for name, default, _ in config_lib.fields_help():
         assert name in proc.stdout
     assert "parallel.sequence_parallel" in proc.stdout and "[default: False]" in proc.stdout
+
+
+@pytest.mark.skipif(not HAS_MOSAIC_INTERPRETER, reason="jax 0.10 has no Mosaic GPU interpreter")
+def test_mosaic_on_cpu_refuses_too_few_xla_threads(monkeypatch):
+    """Mosaic GPU's interpreter needs an XLA CPU thread per simulated warpgroup plus one; with fewer it hangs
+    (seen on a 2-core machine with one CPU device), so both the config and the kernel refuse."""
+    from pallas_kernels import flash_attention_mosaic as fam
+
+    cfg = config_lib.load(None, ["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256",
+                                 "model.num_heads=4", "model.num_kv_heads=2", "model.dtype=bfloat16"])
+    config_lib.validate_for_devices(cfg, 1, "cpu")                 # 8 CPU devices here: 8 threads
+    monkeypatch.setattr(fam, "interpret_threads", lambda: 2)
+    with pytest.raises(config_lib.ConfigError, match="model.attention_impl: 'mosaic' on CPU needs 4 XLA CPU"):
+        config_lib.validate_for_devices(cfg, 1, "cpu")
+    with pytest.raises(RuntimeError, match="XLA_FLAGS=--xla_force_host_platform_device_count=4"):
+        fam.mosaic_interpret_params()
