@@ -82,3 +82,53 @@ def lower_for_cuda(fn, *specs, device_kind: str = H100) -> str:
 
     with gpu_target(device_kind):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout equality: a parallel layout must train exactly as one device does
+# ---------------------------------------------------------------------------------------------------------------
+
+# Appended to a layout's overrides: the learning rate is non-zero from step 0 (warmup 1 would make step 0's lr
+# 0 and step 2's loss depend only on the gradient's sign under Adam).
+NONZERO_LR = ("optim.warmup_steps=0", "optim.schedule=constant")
+
+
+def training_record(cfg, devices, steps: int = 3, batch_seed: int = 0) -> dict:
+    """What a layout is compared on: the fp32 gradient of the whole batch at the initial parameters (leaf by
+    leaf, through the train step's own gradient path: accumulation or pipeline), its global norm, and the
+    losses and gradient norms of ``steps`` optimizer steps on one fixed batch."""
+    import jax
+    import numpy as np
+
+    from jaxtron.train.loop import Trainer, put_batch
+
+    trainer = Trainer(cfg, devices)
+    batch = put_batch(synthetic_batch(cfg, batch_seed), trainer.batch_sharding)
+    grads, metrics = trainer.gradients(batch)
+    record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
+              "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": []}
+    for _ in range(steps):
+        m = trainer.step(batch)
+        record["losses"].append(float(m["loss"]))
+        record["grad_norms"].append(float(m["grad_norm"]))
+    return record
+
+
+def assert_same_training(actual: dict, expected: dict, rtol: float = 1e-5) -> None:
+    """Losses, gradient norms and every gradient leaf (relative L2 error) of two training records agree."""
+    import chex
+    import jax
+    import numpy as np
+
+    np.testing.assert_allclose(actual["losses"], expected["losses"], rtol=rtol, err_msg="losses")
+    np.testing.assert_allclose(actual["grad_norms"], expected["grad_norms"], rtol=rtol, err_msg="grad norms")
+    np.testing.assert_allclose(actual["grad_norm0"], expected["grad_norm0"], rtol=rtol, err_msg="grad norm")
+    chex.assert_trees_all_equal_shapes(actual["grads"], expected["grads"])
+    flat = jax.tree_util.tree_leaves_with_path(expected["grads"])
+    assert len(flat) > 0
+    for (path, e), a in zip(flat, jax.tree.leaves(actual["grads"])):
+        scale = np.linalg.norm(e)
+        assert scale > 0, f"{jax.tree_util.keystr(path)}: the reference gradient is zero"
+        err = np.linalg.norm(a - e) / scale
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative gradient difference {err:.2e} > {rtol:.0e}"
+    assert actual["losses"][-1] < actual["losses"][0], "the loss did not fall: the layout does not train"

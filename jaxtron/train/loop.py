@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxtron import config as config_lib
 from flax import nnx
@@ -29,7 +31,9 @@ from jaxtron.train.metrics import MetricsWriter
 from jaxtron.train.optimizer import make_optimizer
 from jaxtron.train.preemption import StopSignals
 from jaxtron.train.state import abstract_train_state
-from jaxtron.train.step import BATCH_KEYS, accumulation_steps, batch_sharding, make_eval_step, make_train_step
+from jaxtron.parallel.sharding import use_rules
+from jaxtron.train.step import (BATCH_KEYS, accumulation_steps, batch_sharding, make_eval_step, make_loss_and_grads,
+                                 make_train_step)
 
 log = logging.getLogger("jaxtron")
 
@@ -181,6 +185,7 @@ class Trainer:
         self._data = None
         self._stop_reason: Optional[str] = None
         self._kernels_checked = False
+        self._grad_fn = None
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -280,6 +285,24 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_step(done, metrics, self)
         return metrics
+
+    def gradients(self, batch: Mapping) -> tuple[dict, dict]:
+        """``(grads, metrics)`` of the global ``batch`` at the current parameters, without updating them: the
+        fp32 gradient of the loss per loss token (what the train step hands the optimizer, before clipping),
+        through the same accumulation or pipeline path, and ``loss``, ``grad_norm``, ``tokens``."""
+        if self._grad_fn is None:
+            loss_and_grads = make_loss_and_grads(self.cfg, self.spec, self.mesh, self.rules, self.dp,
+                                                 self.loss_fn)
+
+            def grads(params, batch):
+                with use_rules(self.rules, self.mesh):
+                    (ce, n, _), g = loss_and_grads(params, batch)
+                    n = jnp.maximum(n, 1.0)
+                    g = jax.tree.map(lambda x: x / n, g)
+                    return g, {"loss": ce / n, "grad_norm": optax.global_norm(g), "tokens": n}
+
+            self._grad_fn = jax.jit(grads, in_shardings=(self.spec.param_shardings, self.batch_sharding))
+        return self._grad_fn(self.state["params"], self._device_batch(batch))
 
     def request_stop(self, reason: str = "request_stop") -> None:
         """Ask :meth:`train` to stop after the current step (it saves a checkpoint first); for callbacks."""
