@@ -2,63 +2,41 @@
 
 :class:`Trainer` (``jaxtron.Trainer``) holds the pieces and runs them: :meth:`Trainer.step` is one optimizer
 step, :meth:`Trainer.train` the whole loop (data, evaluation, metrics, checkpoints, signals) built on it.
-A custom loss (``loss_fn``) and :class:`Callback` objects extend it without copying the loop."""
+A custom loss (``loss_fn``) and :class:`Callback` objects extend it without copying the loop.
+
+Here: the trainer's state, data, step, gradients and evaluation, and :func:`run` (``python -m jaxtron.train``).
+Beside it: ``training.py`` (the loop of :meth:`Trainer.train`), ``checkpoints.py`` (save, restore, resume) and
+``callbacks.py`` (:class:`Callback`, :class:`TrainResult`, :class:`TrainingAborted`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-from jaxtron import config as config_lib
 from flax import nnx
 
-from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params
+from jaxtron import config as config_lib
 from jaxtron.config import Config
 from jaxtron.data.corpus import make_corpus
-from jaxtron.data.loader import batch_stream, put_local_batch
 from jaxtron.parallel import build_mesh, logical_rules
-from jaxtron.train.flops import device_peak_tflops, flops_per_token
-from jaxtron.train.metrics import MetricsWriter
-from jaxtron.train.optimizer import make_optimizer
-from jaxtron.train.preemption import StopSignals
-from jaxtron.train.state import abstract_train_state
 from jaxtron.parallel.sharding import use_rules
+from jaxtron.train.callbacks import Callback, TrainingAborted, TrainResult  # noqa: F401  (re-exported)
+from jaxtron.train.callbacks import as_callback as _as_callback
+from jaxtron.train.checkpoints import TrainerCheckpoints
+from jaxtron.train.flops import device_peak_tflops
+from jaxtron.train.optimizer import make_optimizer
+from jaxtron.train.state import abstract_train_state
 from jaxtron.train.step import (BATCH_KEYS, accumulation_steps, batch_sharding, make_eval_step, make_loss_and_grads,
                                  make_train_step)
+from jaxtron.train.training import TrainerLoop
 
 log = logging.getLogger("jaxtron")
-
-
-@dataclass
-class TrainResult:
-    """What :meth:`Trainer.train` did."""
-
-    steps: int                                        # train.steps
-    losses: list = field(default_factory=list)       # (step, train loss) at every log point
-    eval_losses: list = field(default_factory=list)  # (step, held-out loss)
-    initial_eval_loss: Optional[float] = None         # held-out loss before the first step (fresh runs)
-    compile_seconds: float = 0.0
-    state: Optional[dict] = None                      # the final train state {"step", "params", "opt_state"}
-    start_step: int = 0                               # > 0 when resumed from a checkpoint
-    final_step: int = 0
-    skipped_steps: int = 0
-    stopped_by: Optional[str] = None                  # "SIGTERM"/"SIGINT"/a request_stop reason, when stopped early
-
-
-RunResult = TrainResult  # the former name
-
-
-class TrainingAborted(RuntimeError):
-    """The run stopped before train.steps for a reason the user must look at (the state is saved)."""
 
 
 def put_batch(batch: dict, sharding) -> dict:
@@ -66,60 +44,7 @@ def put_batch(batch: dict, sharding) -> dict:
     return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
 
 
-def _agree(flag: bool) -> bool:
-    """True on every process when any process has ``flag`` (so all stop at the same step)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-
-
-class Callback:
-    """Hooks into :class:`Trainer`. Subclass it and override the hooks you need (all default to doing nothing);
-    pass instances as ``Trainer(cfg, callbacks=[...])``. A plain function ``fn(step, metrics, trainer)`` given
-    as a callback is called as :meth:`on_log`.
-
-    ``step`` is always the number of optimizer steps done (1 after the first step). Callbacks run on every
-    process of a multi-process run. To end training early, call ``trainer.request_stop(reason)``: the loop
-    saves a checkpoint after the current step and returns (the next ``train()`` resumes from there)."""
-
-    def on_train_begin(self, step: int, trainer: "Trainer") -> None:
-        """Before the first step of :meth:`Trainer.train`; ``step`` > 0 when it resumed from a checkpoint."""
-
-    def on_step(self, step: int, metrics: dict, trainer: "Trainer") -> None:
-        """After every optimizer step (in ``train()`` and in ``step()``). ``metrics`` holds device scalars:
-        reading one (``float(metrics["loss"])``) waits for the step to finish, so read sparingly."""
-
-    def on_log(self, step: int, metrics: dict, trainer: "Trainer") -> None:
-        """Every ``logging.log_every`` steps (and at the last) in ``train()``: ``metrics`` is the record about to
-        be written to ``metrics.jsonl`` and TensorBoard (host floats: loss, grad_norm, lr, throughput, MFU,
-        aux entries of a custom loss). Entries a callback adds to it are written too."""
-
-    def on_eval(self, step: int, metrics: dict, trainer: "Trainer") -> None:
-        """After each held-out evaluation in ``train()``: ``metrics == {"eval_loss": float}``."""
-
-    def on_train_end(self, step: int, result: TrainResult, trainer: "Trainer") -> None:
-        """When ``train()`` returns (done, or stopped by a signal or ``request_stop``); not when it raises."""
-
-
-class _FunctionCallback(Callback):
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def on_log(self, step, metrics, trainer):
-        self.fn(step, metrics, trainer)
-
-
-def _as_callback(cb) -> Callback:
-    if isinstance(cb, Callback):
-        return cb
-    if callable(cb):
-        return _FunctionCallback(cb)
-    raise TypeError(f"Trainer: callbacks must be Callback instances or functions fn(step, metrics, trainer), "
-                    f"got {type(cb).__name__}")
-
-
-class Trainer:
+class Trainer(TrainerLoop, TrainerCheckpoints):
     """A training run built from a validated config: the mesh, the logical-axis rules, the optimizer, the
     abstract (sharded) state, the jitted train and eval steps, and the loop.
 
@@ -323,113 +248,6 @@ class Trainer:
                      p.pipeline_schedule, stages, virtual, accum,
                      100 * config_lib.pipeline_bubble(p, stages, accum))
 
-    # ------------------------------------------------------------------------------------ checkpoints
-    def _open_checkpoints(self) -> Optional[Checkpointer]:
-        c = self.cfg.checkpoint
-        if not c.enabled:
-            return None
-        return Checkpointer(config_lib.checkpoint_dir(self.cfg), keep=c.keep, keep_every=c.keep_every,
-                            async_save=c.async_save)
-
-    def _restore_or_init(self, ckpt: Optional[Checkpointer]) -> int:
-        """Set ``self.state``; returns the step to start from."""
-        c = self.cfg.checkpoint
-        if self._state is not None and self.step_count > 0:
-            log.info("continuing from this trainer's state at step %d", self.step_count)
-            return self.step_count
-        steps = ckpt.all_steps() if (ckpt is not None and c.resume) else []
-        for i, step in enumerate(reversed(steps)):
-            try:
-                t0 = time.perf_counter()
-                self.state, self.meta = ckpt.restore(step, self.spec.abstract_state)
-            except CheckpointError as err:
-                if not c.fallback:
-                    raise CheckpointError(f"{err}. Set checkpoint.fallback=true to resume from the previous "
-                                          f"checkpoint instead, or move {ckpt.step_dir(step)} away") from None
-                log.warning("%s; falling back to the previous checkpoint (checkpoint.fallback=true)", err)
-                continue
-            log.info("resumed from %s (step %d) in %.1f s", ckpt.step_dir(step), step, time.perf_counter() - t0)
-            self._step_count = step
-            self._check_resumed_data()
-            self._restore_skipped()
-            return step
-        if steps:
-            raise CheckpointError(f"none of the checkpoints {steps} in {ckpt.directory} could be read")
-        if c.load_weights:
-            t0 = time.perf_counter()
-            params, meta = load_params(c.load_weights, self.spec.abstract_state["params"])
-            opt_init = jax.jit(self.tx.init, out_shardings=self.spec.state_shardings["opt_state"])
-            step0 = jax.device_put(np.zeros((), np.int32), self.spec.state_shardings["step"])
-            self.state = {"step": step0, "params": params, "opt_state": opt_init(params)}
-            log.info("loaded weights from %s (step %s) in %.1f s; fresh optimizer state", c.load_weights,
-                     meta.get("step"), time.perf_counter() - t0)
-        else:
-            self.state  # noqa: B018  (initialize)
-        return 0
-
-    def _restore_skipped(self) -> None:
-        self.skipped = {k: int(self.meta.get(k, 0)) for k in ("skipped_total", "skipped_in_a_row")}
-
-    def _check_resumed_data(self) -> None:
-        saved, now = self.meta.get("data", {}), self._data_state(0)
-        changed = [k for k in now if k != "next_step" and k in saved and saved[k] != now[k]]
-        if changed:
-            log.warning("the data settings changed since the checkpoint (%s): the batches after resuming are "
-                        "not the ones the original run would have seen", ", ".join(
-                            f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed))
-
-    def _data_state(self, next_step: int) -> dict:
-        """The data-iterator state: batch k is a pure function of these settings and k."""
-        d, t = self.cfg.data, self.cfg.train
-        return {"next_step": next_step, "source": d.source, "paths": d.paths, "split": d.split,
-                "seq_len": d.seq_len, "seed": t.seed, "global_batch_size": t.global_batch_size,
-                "num_samples": t.steps * t.global_batch_size}  # the sample shuffle depends on it, as Megatron's
-
-    def _save(self, ckpt: Optional[Checkpointer], step: int) -> None:
-        if ckpt is None:
-            return
-        t0 = time.perf_counter()
-        ckpt.save(step, self.state, {"data": self._data_state(step), **self.skipped,
-                                     "config": config_lib.to_yaml(self.cfg)})
-        log.info("checkpoint step %d: save started, blocked %.3f s", step, time.perf_counter() - t0)
-
-    def save(self, directory: Optional[str] = None) -> str:
-        """Save the current state as a checkpoint of step ``state["step"]`` in ``directory`` (default:
-        ``checkpoint.dir``, i.e. ``<train.output_dir>/checkpoints``) and wait until it is complete; returns the
-        step directory. ``train()``, ``restore()``, ``jaxtron.load_model`` and ``export_hf`` read it. Old
-        checkpoints are pruned as ``checkpoint.keep``/``keep_every`` say."""
-        c = self.cfg.checkpoint
-        ckpt = Checkpointer(directory or config_lib.checkpoint_dir(self.cfg), keep=c.keep, keep_every=c.keep_every,
-                            async_save=False)
-        try:
-            self._save(ckpt, self.step_count)
-            return ckpt.step_dir(self.step_count)
-        finally:
-            ckpt.close()
-
-    def restore(self, directory: Optional[str] = None, step: Optional[int] = None) -> int:
-        """Restore the train state from checkpoint ``step`` (default: the newest) in ``directory`` (default:
-        ``checkpoint.dir``) onto this trainer's mesh (any mesh it was saved from); returns the step. Raises
-        :class:`~jaxtron.checkpoint.CheckpointError` naming the directory when there is none."""
-        directory = directory or config_lib.checkpoint_dir(self.cfg)
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"{os.path.abspath(directory)}: no such checkpoint directory")
-        ckpt = Checkpointer(directory, read_only=True)
-        try:
-            steps = ckpt.all_steps()
-            if not steps:
-                raise CheckpointError(f"{ckpt.directory}: holds no checkpoints")
-            if step is None:
-                step = steps[-1]
-            elif step not in steps:
-                raise CheckpointError(f"{ckpt.directory}: no checkpoint of step {step} (steps: {steps})")
-            self.state, self.meta = ckpt.restore(step, self.spec.abstract_state)
-        finally:
-            ckpt.close()
-        self._restore_skipped()
-        self._step_count = step
-        return step
-
     # ------------------------------------------------------------------------------------ train / eval
     def evaluate(self, data=None) -> float:
         """Mean held-out cross entropy per token over ``train.eval_batches`` batches of ``data`` (default:
@@ -441,137 +259,6 @@ class Trainer:
             total += float(out["loss_sum"])
             count += float(out["tokens"])
         return total / max(count, 1.0)
-
-    def train(self, data=None) -> TrainResult:
-        """Run to ``train.steps``: resume (or load weights), evaluate, step, log ``metrics.jsonl``/TensorBoard,
-        checkpoint, stop cleanly on SIGTERM/SIGINT or :meth:`request_stop`. ``data`` replaces :attr:`data`."""
-        if data is not None:
-            self.data = data
-        ckpt = self._open_checkpoints()
-        try:
-            return self._train(ckpt)
-        finally:
-            if ckpt is not None:
-                ckpt.close()  # waits for a save in flight
-
-    def _check_kernels(self) -> None:
-        """On GPUs, the selected Pallas/Mosaic kernels against XLA, once per trainer (kernel_check.py); a
-        disagreement raises KernelCheckError (a ConfigError naming the field)."""
-        from jaxtron.train.kernel_check import check_kernels, needs_check
-
-        if not self._kernels_checked and needs_check(self.cfg, self.mesh.devices.flat[0].platform):
-            check_kernels(self.cfg)
-        self._kernels_checked = True
-
-    def _train(self, ckpt: Optional[Checkpointer]) -> TrainResult:
-        cfg = self.cfg
-        t = cfg.train
-        self._stop_reason = None
-        start = self._restore_or_init(ckpt)
-        result = TrainResult(steps=t.steps, start_step=start, final_step=start)
-        skipped = self.skipped
-        result.skipped_steps = skipped["skipped_total"]
-        if start >= t.steps:
-            log.info("the checkpoint is at step %d and train.steps=%d: nothing to do", start, t.steps)
-            result.state = self.state
-            return result
-        self._check_kernels()
-        data = self.data
-        tokens_per_step = t.global_batch_size * cfg.data.seq_len
-        fpt = {c: flops_per_token(cfg.model, cfg.data.seq_len, c) for c in ("full", "causal")}
-
-        stream = batch_stream(data, t.global_batch_size, start, t.steps)
-        first = put_local_batch(next(stream), self.batch_sharding, t.global_batch_size)
-        t0 = time.perf_counter()
-        self.train_step = self._jitted_train_step.lower(self.state, first).compile()
-        result.compile_seconds = time.perf_counter() - t0
-        log.info("compiled the train step in %.1f s on %d devices, mesh %s", result.compile_seconds,
-                 self.num_devices, self.mesh_shape)
-
-        writer = MetricsWriter(t.output_dir, t.steps, cfg.logging.tensorboard, cfg.logging.progress, start)
-        try:
-            for cb in self.callbacks:
-                cb.on_train_begin(start, self)
-            if start == 0:
-                result.initial_eval_loss = self.evaluate(data)
-                writer.write(0, {"eval_loss": result.initial_eval_loss})
-                log.info("step 0: held-out loss %.4f", result.initial_eval_loss)
-            window_start, window_steps = time.perf_counter(), 0
-            batch = first
-            with StopSignals() as signals:
-                for step in range(start, t.steps):
-                    metrics = self.step(batch)
-                    done = step + 1
-                    if done < t.steps:  # prepare the next batch while the device works
-                        batch = put_local_batch(next(stream), self.batch_sharding, t.global_batch_size)
-                    result.final_step = done
-                    if bool(metrics["skipped"]):
-                        skipped["skipped_total"] += 1
-                        skipped["skipped_in_a_row"] += 1
-                        log.warning("step %d: loss %s, gradient norm %s: not finite, update skipped (%d in a row)",
-                                    done, float(metrics["loss"]), float(metrics["grad_norm"]),
-                                    skipped["skipped_in_a_row"])
-                    else:
-                        skipped["skipped_in_a_row"] = 0
-                    result.skipped_steps = skipped["skipped_total"]
-                    window_steps += 1
-                    writer.advance()
-                    if done % cfg.logging.log_every == 0 or done == t.steps:
-                        m = jax.device_get(metrics)
-                        step_time = (time.perf_counter() - window_start) / window_steps
-                        record = self._throughput(m, step_time, tokens_per_step, fpt)
-                        record["skipped_steps"] = skipped["skipped_total"]
-                        for cb in self.callbacks:
-                            cb.on_log(done, record, self)
-                        result.losses.append((done, float(m["loss"])))
-                        writer.write(done, record)
-                        window_start, window_steps = time.perf_counter(), 0
-                    if skipped["skipped_in_a_row"] >= t.max_skipped_steps:
-                        self._save(ckpt, done)
-                        raise TrainingAborted(
-                            f"stopped at step {done}: {skipped['skipped_in_a_row']} steps in a row had a non-finite "
-                            f"loss or gradient norm (train.max_skipped_steps={t.max_skipped_steps})"
-                            + (f"; the state is saved in {ckpt.step_dir(done)}" if ckpt else ""))
-                    if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-                        loss = self.evaluate(data)
-                        result.eval_losses.append((done, loss))
-                        writer.write(done, {"eval_loss": loss})
-                        log.info("step %d: held-out loss %.4f", done, loss)
-                        for cb in self.callbacks:
-                            cb.on_eval(done, {"eval_loss": loss}, self)
-                        window_start, window_steps = time.perf_counter(), 0
-                    stop = signals.received or self._stop_reason
-                    if _agree(stop is not None):
-                        result.stopped_by = stop or "a stop on another process"
-                        self._save(ckpt, done)
-                        log.warning("stopped by %s after step %d%s", result.stopped_by, done,
-                                    f"; checkpoint {ckpt.step_dir(done)}" if ckpt else "")
-                        break
-                    if ckpt is not None and done < t.steps and cfg.checkpoint.every_steps \
-                            and done % cfg.checkpoint.every_steps == 0:
-                        self._save(ckpt, done)
-                else:
-                    self._save(ckpt, t.steps)
-        finally:
-            writer.close()
-        result.state = self.state
-        for cb in self.callbacks:
-            cb.on_train_end(result.final_step, result, self)
-        return result
-
-    def _throughput(self, m: dict, step_time: float, tokens_per_step: int, fpt: dict) -> dict:
-        tps = tokens_per_step / step_time
-        record = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-                  "step_time_s": step_time, "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.num_devices}
-        for conv, f in fpt.items():
-            per_dev = f * tps / self.num_devices
-            suffix = "" if conv == "full" else "_causal"
-            record[f"tflops_per_device{suffix}"] = per_dev / 1e12
-            record[f"mfu{suffix}"] = per_dev / self.peak_flops if self.peak_flops else None
-        for k in m:  # a custom loss's aux entries
-            if k not in ("loss", "grad_norm", "lr", "tokens", "skipped"):
-                record[k] = float(m[k])
-        return record
 
 
 Run = Trainer  # the former name

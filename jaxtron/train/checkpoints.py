@@ -1,0 +1,128 @@
+"""Checkpoints of a :class:`~jaxtron.train.loop.Trainer`: open, save, restore, resume (with its fallback to an
+older checkpoint) or load initial weights, and the data-iterator state a checkpoint records."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jaxtron import config as config_lib
+from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params
+
+log = logging.getLogger("jaxtron")
+
+
+class TrainerCheckpoints:
+    """The checkpoint methods of :class:`~jaxtron.train.loop.Trainer` (a mixin: it uses the trainer's
+    ``cfg``, ``spec``, ``tx``, ``state``, ``meta`` and ``skipped``)."""
+
+    def _open_checkpoints(self) -> Optional[Checkpointer]:
+        c = self.cfg.checkpoint
+        if not c.enabled:
+            return None
+        return Checkpointer(config_lib.checkpoint_dir(self.cfg), keep=c.keep, keep_every=c.keep_every,
+                            async_save=c.async_save)
+
+    def _restore_or_init(self, ckpt: Optional[Checkpointer]) -> int:
+        """Set ``self.state``; returns the step to start from."""
+        c = self.cfg.checkpoint
+        if self._state is not None and self.step_count > 0:
+            log.info("continuing from this trainer's state at step %d", self.step_count)
+            return self.step_count
+        steps = ckpt.all_steps() if (ckpt is not None and c.resume) else []
+        for i, step in enumerate(reversed(steps)):
+            try:
+                t0 = time.perf_counter()
+                self.state, self.meta = ckpt.restore(step, self.spec.abstract_state)
+            except CheckpointError as err:
+                if not c.fallback:
+                    raise CheckpointError(f"{err}. Set checkpoint.fallback=true to resume from the previous "
+                                          f"checkpoint instead, or move {ckpt.step_dir(step)} away") from None
+                log.warning("%s; falling back to the previous checkpoint (checkpoint.fallback=true)", err)
+                continue
+            log.info("resumed from %s (step %d) in %.1f s", ckpt.step_dir(step), step, time.perf_counter() - t0)
+            self._step_count = step
+            self._check_resumed_data()
+            self._restore_skipped()
+            return step
+        if steps:
+            raise CheckpointError(f"none of the checkpoints {steps} in {ckpt.directory} could be read")
+        if c.load_weights:
+            t0 = time.perf_counter()
+            params, meta = load_params(c.load_weights, self.spec.abstract_state["params"])
+            opt_init = jax.jit(self.tx.init, out_shardings=self.spec.state_shardings["opt_state"])
+            step0 = jax.device_put(np.zeros((), np.int32), self.spec.state_shardings["step"])
+            self.state = {"step": step0, "params": params, "opt_state": opt_init(params)}
+            log.info("loaded weights from %s (step %s) in %.1f s; fresh optimizer state", c.load_weights,
+                     meta.get("step"), time.perf_counter() - t0)
+        else:
+            self.state  # noqa: B018  (initialize)
+        return 0
+
+    def _restore_skipped(self) -> None:
+        self.skipped = {k: int(self.meta.get(k, 0)) for k in ("skipped_total", "skipped_in_a_row")}
+
+    def _check_resumed_data(self) -> None:
+        saved, now = self.meta.get("data", {}), self._data_state(0)
+        changed = [k for k in now if k != "next_step" and k in saved and saved[k] != now[k]]
+        if changed:
+            log.warning("the data settings changed since the checkpoint (%s): the batches after resuming are "
+                        "not the ones the original run would have seen", ", ".join(
+                            f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed))
+
+    def _data_state(self, next_step: int) -> dict:
+        """The data-iterator state: batch k is a pure function of these settings and k."""
+        d, t = self.cfg.data, self.cfg.train
+        return {"next_step": next_step, "source": d.source, "paths": d.paths, "split": d.split,
+                "seq_len": d.seq_len, "seed": t.seed, "global_batch_size": t.global_batch_size,
+                "num_samples": t.steps * t.global_batch_size}  # the sample shuffle depends on it, as Megatron's
+
+    def _save(self, ckpt: Optional[Checkpointer], step: int) -> None:
+        if ckpt is None:
+            return
+        t0 = time.perf_counter()
+        ckpt.save(step, self.state, {"data": self._data_state(step), **self.skipped,
+                                     "config": config_lib.to_yaml(self.cfg)})
+        log.info("checkpoint step %d: save started, blocked %.3f s", step, time.perf_counter() - t0)
+
+    def save(self, directory: Optional[str] = None) -> str:
+        """Save the current state as a checkpoint of step ``state["step"]`` in ``directory`` (default:
+        ``checkpoint.dir``, i.e. ``<train.output_dir>/checkpoints``) and wait until it is complete; returns the
+        step directory. ``train()``, ``restore()``, ``jaxtron.load_model`` and ``export_hf`` read it. Old
+        checkpoints are pruned as ``checkpoint.keep``/``keep_every`` say."""
+        c = self.cfg.checkpoint
+        ckpt = Checkpointer(directory or config_lib.checkpoint_dir(self.cfg), keep=c.keep, keep_every=c.keep_every,
+                            async_save=False)
+        try:
+            self._save(ckpt, self.step_count)
+            return ckpt.step_dir(self.step_count)
+        finally:
+            ckpt.close()
+
+    def restore(self, directory: Optional[str] = None, step: Optional[int] = None) -> int:
+        """Restore the train state from checkpoint ``step`` (default: the newest) in ``directory`` (default:
+        ``checkpoint.dir``) onto this trainer's mesh (any mesh it was saved from); returns the step. Raises
+        :class:`~jaxtron.checkpoint.CheckpointError` naming the directory when there is none."""
+        directory = directory or config_lib.checkpoint_dir(self.cfg)
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{os.path.abspath(directory)}: no such checkpoint directory")
+        ckpt = Checkpointer(directory, read_only=True)
+        try:
+            steps = ckpt.all_steps()
+            if not steps:
+                raise CheckpointError(f"{ckpt.directory}: holds no checkpoints")
+            if step is None:
+                step = steps[-1]
+            elif step not in steps:
+                raise CheckpointError(f"{ckpt.directory}: no checkpoint of step {step} (steps: {steps})")
+            self.state, self.meta = ckpt.restore(step, self.spec.abstract_state)
+        finally:
+            ckpt.close()
+        self._restore_skipped()
+        self._step_count = step
+        return step
