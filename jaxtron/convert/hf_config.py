@@ -1,0 +1,220 @@
+"""Hugging Face config.json <-> jaxtron :class:`~jaxtron.config.ModelConfig`: the supported architectures
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``), RoPE (default and llama3 scaling, in the transformers 4 and 5
+spellings), the checks for options jaxtron's model does not implement, and the reverse mapping."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
+
+CONFIG_NAME = "config.json"
+
+
+def _get(hf: Mapping, key: str, source: str, default: Any = dataclasses.MISSING) -> Any:
+    """``hf[key]``; a missing (or null) required key raises ValueError naming the key and the file."""
+    value = hf.get(key)
+    if value is None:
+        if default is dataclasses.MISSING:
+            raise ValueError(f"{source}: required key {key!r} is missing")
+        return default
+    return value
+
+
+def _architecture(hf: Mapping, source: str) -> str:
+    """The supported architecture name, from ``architectures`` (or ``model_type`` when that is absent)."""
+    archs = hf.get("architectures")
+    if archs:
+        if isinstance(archs, str):
+            archs = [archs]
+        if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+            raise ValueError(f"{source}: architectures={list(archs)} is not supported; "
+                             f"jaxtron converts {sorted(ARCHITECTURES)}")
+        arch = archs[0]
+    else:
+        model_type = hf.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"{source}: no 'architectures' and model_type={model_type!r} is not one of "
+                             f"{sorted(MODEL_TYPES)}")
+        arch = MODEL_TYPES[model_type]
+    model_type = hf.get("model_type")
+    if model_type is not None and model_type != ARCHITECTURES[arch]:
+        raise ValueError(f"{source}: model_type={model_type!r} does not match architectures=[{arch!r}] "
+                         f"(expected {ARCHITECTURES[arch]!r})")
+    return arch
+
+
+def _rope_from_hf(hf: Mapping, source: str) -> tuple[float, RopeScalingConfig]:
+    """(rope_theta, scaling) from either transformers 5's ``rope_parameters`` or the older
+    ``rope_scaling`` + top-level ``rope_theta``. Like transformers 5, a non-empty ``rope_scaling`` wins, and
+    a ``rope_theta`` inside the dict wins over the top-level one."""
+    key, params = "rope_parameters", hf.get("rope_parameters")
+    if hf.get("rope_scaling"):
+        key, params = "rope_scaling", hf["rope_scaling"]
+    params = dict(params or {})
+    if params and not any(k in params for k in ("rope_type", "type", "rope_theta")) and all(
+            isinstance(v, Mapping) for v in params.values()):
+        raise ValueError(f"{source}: {key} is nested per layer type ({sorted(params)}); jaxtron supports one "
+                         f"RoPE for every layer")
+    theta = float(params.get("rope_theta", _get(hf, "rope_theta", source, 10000.0)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor={partial} is not supported (must be 1.0)")
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type == "default":
+        return theta, RopeScalingConfig(type="none")
+    if rope_type != "llama3":
+        raise ValueError(f"{source}: {key}.rope_type={rope_type!r} is not supported; jaxtron supports "
+                         f"'default' and 'llama3'")
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if params.get(name) is None:
+            raise ValueError(f"{source}: {key}.{name} is missing (required by rope_type 'llama3')")
+    return theta, RopeScalingConfig(
+        type="llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def _check_unsupported(hf: Mapping, arch: str, source: str) -> None:
+    """Raise for HF options jaxtron's model does not implement."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act={act!r} is not supported (jaxtron's MLP is SwiGLU: 'silu')")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported (jaxtron's MLP has no bias)")
+    if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=true is not supported for LlamaForCausalLM (it adds an "
+                         f"o_proj bias; jaxtron has Q/K/V biases only, as in Qwen2)")
+    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported (jaxtron attention is full "
+                         f"causal)")
+
+
+def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig:
+    """A jaxtron :class:`ModelConfig` from a Hugging Face config dict (the contents of config.json).
+
+    Only the architecture is read; compute and parameter dtypes keep :class:`ModelConfig`'s defaults
+    (fp32 master weights) -- the checkpoint's ``torch_dtype`` only says how the file stores them.
+    ``source`` names the file in error messages. Raises ValueError naming the key for anything jaxtron's
+    model cannot reproduce (other architectures, RoPE types, sliding windows, MLP/output biases)."""
+    hf = dict(hf_config)
+    arch = _architecture(hf, source)
+    _check_unsupported(hf, arch, source)
+    theta, scaling = _rope_from_hf(hf, source)
+    hidden = int(_get(hf, "hidden_size", source))
+    heads = int(_get(hf, "num_attention_heads", source))
+    kv_heads = int(_get(hf, "num_key_value_heads", source, heads))
+    hd = hf.get("head_dim")
+    if hd is None and hidden % heads:
+        raise ValueError(f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                         f"and head_dim is not set")
+    hd = int(hd) if hd is not None else hidden // heads
+    if heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads={heads} is not divisible by "
+                         f"num_key_value_heads={kv_heads}")
+    if hd % 2:
+        raise ValueError(f"{source}: head_dim={hd} must be even for RoPE")
+    return ModelConfig(
+        vocab_size=int(_get(hf, "vocab_size", source)),
+        hidden_size=hidden,
+        num_layers=int(_get(hf, "num_hidden_layers", source)),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=None if hd * heads == hidden else hd,
+        intermediate_size=int(_get(hf, "intermediate_size", source)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(_get(hf, "rms_norm_eps", source, 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
+    arch = architecture or ("Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture: {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    if arch == "LlamaForCausalLM" and cfg.qkv_bias:
+        raise ValueError("model.qkv_bias: LlamaForCausalLM has no Q/K/V-only bias; save as Qwen2ForCausalLM")
+    if arch == "Qwen2ForCausalLM" and not cfg.qkv_bias:
+        raise ValueError("model.qkv_bias: Qwen2ForCausalLM always has Q/K/V biases; set model.qkv_bias=true "
+                         "or save as LlamaForCausalLM")
+    return arch
+
+
+def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
+                 max_position_embeddings: Optional[int] = None, dtype: Optional[str] = None) -> dict:
+    """The Hugging Face config.json dict for ``cfg``.
+
+    ``architecture`` defaults to ``Qwen2ForCausalLM`` when ``cfg.qkv_bias`` else ``LlamaForCausalLM``.
+    RoPE is written as transformers 5 reads it (``rope_parameters`` with ``rope_type`` and ``rope_theta``)
+    and also as transformers 4 reads it (top-level ``rope_theta`` and ``rope_scaling``; transformers 5
+    folds these into the same ``rope_parameters``). jaxtron has no position table, so
+    ``max_position_embeddings`` (informational for default/llama3 RoPE) defaults to
+    ``factor * original_max_position_embeddings`` for llama3 scaling, else 4096. ``dtype`` is the storage
+    dtype written as ``dtype``/``torch_dtype`` (default: ``cfg.param_dtype``)."""
+    arch = _default_architecture(cfg, architecture)
+    rs = cfg.rope_scaling
+    if rs.type not in ("none", "llama3"):
+        raise ValueError(f"model.rope_scaling.type: {rs.type!r} cannot be written to a HF config")
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    rope_scaling = None
+    if rs.type == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": float(rs.factor),
+                        "low_freq_factor": float(rs.low_freq_factor),
+                        "high_freq_factor": float(rs.high_freq_factor),
+                        "original_max_position_embeddings": int(rs.original_max_position_embeddings)}
+        rope_parameters = {**rope_scaling, "rope_theta": float(cfg.rope_theta)}
+    if max_position_embeddings is None:
+        max_position_embeddings = (int(rs.factor * rs.original_max_position_embeddings)
+                                   if rs.type == "llama3" else 4096)
+    dtype = str(jnp.dtype(dtype or cfg.param_dtype))
+    hf: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": head_dim(cfg),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(max_position_embeddings),
+        "initializer_range": cfg.initializer_range,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_theta": float(cfg.rope_theta),
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if arch == "LlamaForCausalLM":
+        hf.update(attention_bias=False, mlp_bias=False)
+    else:
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    return hf
+
+def _read_config(hf_dir: str) -> tuple[dict, str]:
+    path = os.path.join(hf_dir, CONFIG_NAME)
+    try:
+        with open(path) as f:
+            return json.load(f), path
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the HF config ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: invalid JSON ({err})") from None
+

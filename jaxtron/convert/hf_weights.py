@@ -1,0 +1,344 @@
+"""Hugging Face safetensors <-> jaxtron parameters: the weight mapping, its checks, and the safetensors files.
+
+Weight layout. Hugging Face ``nn.Linear`` weights are ``[out, in]``; jaxtron keeps ``[in, ...out]`` with the
+heads split out, and stacks every decoder-block weight on a leading ``[num_layers]`` axis:
+
+=================================================  ==========================  ===========================
+Hugging Face                                       jaxtron (pure dict path)    HF tensor from jaxtron ``x``
+=================================================  ==========================  ===========================
+model.embed_tokens.weight [V, d]                   embed [V, d]                x
+lm_head.weight [V, d] (absent when tied)           lm_head [d, V]              x.T
+model.norm.weight [d]                              final_norm.scale [d]        x
+model.layers.{i}.input_layernorm.weight            layers.attn_norm.scale      x[i]
+model.layers.{i}.post_attention_layernorm.weight   layers.mlp_norm.scale       x[i]
+model.layers.{i}.self_attn.q_proj.weight [h*k, d]  layers.attention.wq         x[i].reshape(d, h*k).T
+model.layers.{i}.self_attn.{k,v}_proj.weight       layers.attention.{wk,wv}    (same, kv heads)
+model.layers.{i}.self_attn.o_proj.weight [d, h*k]  layers.attention.wo         x[i].reshape(h*k, d).T
+model.layers.{i}.self_attn.{q,k,v}_proj.bias       layers.attention.b{q,k,v}   x[i].reshape(-1)  (Qwen2)
+model.layers.{i}.mlp.{gate,up}_proj.weight [f, d]  layers.mlp.{w_gate,w_up}    x[i].T
+model.layers.{i}.mlp.down_proj.weight [d, f]       layers.mlp.w_down           x[i].T
+=================================================  ==========================  ===========================
+
+jaxtron's RoPE uses the same rotate-half convention as Hugging Face, so q/k weights need no permutation.
+Every mapping above is a reshape plus a transpose, i.e. a *view*: :func:`params_to_hf` returns views of
+the jaxtron arrays, and :func:`params_from_hf` writes each HF tensor straight into a view of the stacked
+jaxtron array, so neither direction holds more than one extra copy of a weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Optional
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxtron.config import ModelConfig
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+# safetensors dtype strings that numpy itself cannot represent (read through ml_dtypes instead).
+_ML_DTYPES = {
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+# HF checkpoint tensors that carry no weights (buffers some old checkpoints saved).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _linear_in(x: np.ndarray) -> np.ndarray:
+    """jaxtron [in, *out] -> HF Linear weight [prod(out), in]."""
+    return np.reshape(x, (x.shape[0], -1), copy=False).T
+
+
+def _linear_out(x: np.ndarray) -> np.ndarray:
+    """jaxtron [*in, out] -> HF Linear weight [out, prod(in)]."""
+    return np.reshape(x, (-1, x.shape[-1]), copy=False).T
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    return np.reshape(x, (-1,), copy=False)
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """One weight: its HF name (``{i}`` = layer index when ``stacked``), its jaxtron pure-dict path, and
+    ``to_hf``: a function that returns a *view* of a (per-layer) jaxtron array in HF layout."""
+    hf_name: str
+    path: tuple[str, ...]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    stacked: bool = False
+
+
+def _specs(cfg: ModelConfig) -> list[_Spec]:
+    """Every weight of the model, in the order Hugging Face lists them."""
+    specs = [_Spec("model.embed_tokens.weight", ("embed",), _same)]
+    layer = [
+        ("input_layernorm.weight", ("attn_norm", "scale"), _same),
+        ("self_attn.q_proj.weight", ("attention", "wq"), _linear_in),
+        ("self_attn.k_proj.weight", ("attention", "wk"), _linear_in),
+        ("self_attn.v_proj.weight", ("attention", "wv"), _linear_in),
+    ]
+    if cfg.qkv_bias:
+        layer += [
+            ("self_attn.q_proj.bias", ("attention", "bq"), _flat),
+            ("self_attn.k_proj.bias", ("attention", "bk"), _flat),
+            ("self_attn.v_proj.bias", ("attention", "bv"), _flat),
+        ]
+    layer += [
+        ("self_attn.o_proj.weight", ("attention", "wo"), _linear_out),
+        ("post_attention_layernorm.weight", ("mlp_norm", "scale"), _same),
+        ("mlp.gate_proj.weight", ("mlp", "w_gate"), _linear_in),
+        ("mlp.up_proj.weight", ("mlp", "w_up"), _linear_in),
+        ("mlp.down_proj.weight", ("mlp", "w_down"), _linear_out),
+    ]
+    specs += [_Spec(f"model.layers.{{i}}.{name}", ("layers",) + path, fn, stacked=True)
+              for name, path, fn in layer]
+    specs.append(_Spec("model.norm.weight", ("final_norm", "scale"), _same))
+    if not cfg.tie_embeddings:
+        specs.append(_Spec("lm_head.weight", ("lm_head",), _linear_in))
+    return specs
+
+
+def _hf_names(cfg: ModelConfig, spec: _Spec) -> list[str]:
+    return [spec.hf_name.format(i=i) for i in range(cfg.num_layers)] if spec.stacked else [spec.hf_name]
+
+
+def _tree_get(tree: Mapping, path: tuple[str, ...], what: str) -> Any:
+    node: Any = tree
+    for depth, key in enumerate(path):
+        if not isinstance(node, Mapping) or key not in node:
+            raise ValueError(f"{what}: missing jaxtron parameter {'.'.join(path[:depth + 1])}")
+        node = node[key]
+    return node
+
+
+def _tree_set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and an abstract state (shapes and dtypes only; no weights are allocated)."""
+    from jaxtron.model.llama import Llama
+
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)
+
+
+def params_to_hf(cfg: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
+    """HF tensors (name -> array) from a jaxtron pure param dict
+    (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``).
+
+    The arrays are numpy *views* of the (host copies of the) jaxtron weights, in their dtype and possibly
+    non-contiguous; :func:`save` makes each contiguous as it writes it."""
+    out: dict[str, np.ndarray] = {}
+    for spec in _specs(cfg):
+        arr = np.asarray(_tree_get(params, spec.path, "params_to_hf"))
+        if spec.stacked:
+            if arr.ndim == 0 or arr.shape[0] != cfg.num_layers:
+                raise ValueError(f"params_to_hf: {'.'.join(spec.path)} has shape {arr.shape}; expected a leading "
+                                 f"layers axis of {cfg.num_layers}")
+            for i, name in enumerate(_hf_names(cfg, spec)):
+                out[name] = spec.to_hf(arr[i])
+        else:
+            out[spec.hf_name] = spec.to_hf(arr)
+    return out
+
+
+def _where(tensors: Mapping, name: Optional[str] = None) -> str:
+    """The file a tensor comes from (or the checkpoint as a whole), for error messages."""
+    if name is not None and hasattr(tensors, "file_of"):
+        return tensors.file_of(name)
+    return getattr(tensors, "source", "the HF tensors")
+
+
+def _hf_shape(spec: _Spec, jax_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF shape of one (per-layer) jaxtron array of ``jax_shape``, without allocating it."""
+    return tuple(spec.to_hf(np.broadcast_to(np.zeros((), np.int8), jax_shape)).shape)
+
+
+def _shape_of(tensors: Mapping, name: str) -> tuple[int, ...]:
+    """A tensor's shape, from the file header when ``tensors`` can tell it without reading the data."""
+    if hasattr(tensors, "shape_of"):
+        return tuple(tensors.shape_of(name))
+    return tuple(tensors[name].shape)
+
+
+def _check_hf_tensors(cfg: ModelConfig, tensors: Mapping, shapes: dict) -> None:
+    """Fail before reading any weight: every tensor the config needs is present with the right shape, and
+    the checkpoint holds nothing the config does not account for."""
+    used = set()
+    for spec in _specs(cfg):
+        leaf_shape = tuple(_tree_get(shapes, spec.path, "model").shape)
+        expected = _hf_shape(spec, leaf_shape[1:] if spec.stacked else leaf_shape)
+        for name in _hf_names(cfg, spec):
+            used.add(name)
+            if name not in tensors:
+                raise ValueError(f"{_where(tensors)}: missing tensor {name} (for jaxtron "
+                                 f"{'.'.join(spec.path)})")
+            shape = _shape_of(tensors, name)
+            if shape != expected:
+                raise ValueError(f"{_where(tensors, name)}: tensor {name} has shape {shape}; expected "
+                                 f"{expected} from the config")
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints still store a copy of the embedding
+    extra = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        shown = ", ".join(extra[:5]) + (f", ... ({len(extra)} in all)" if len(extra) > 5 else "")
+        raise ValueError(f"{_where(tensors)}: unexpected tensor(s) the config does not account for: {shown}")
+
+
+def _fill_from_hf(spec: _Spec, names: list[str], shape: tuple[int, ...], dtype: np.dtype,
+                  tensors: Mapping) -> np.ndarray:
+    """One jaxtron array of ``shape``/``dtype`` filled from the HF tensors ``names`` (one per layer when
+    stacked): each HF tensor is copied straight into a view of the result, so no temporaries pile up.
+    Names and shapes were checked by :func:`_check_hf_tensors`."""
+    out = np.empty(shape, dtype)
+    targets = [out[i] for i in range(len(names))] if spec.stacked else [out]
+    for name, target in zip(names, targets):
+        src = tensors[name]
+        if not jnp.issubdtype(src.dtype, jnp.floating):
+            raise ValueError(f"{_where(tensors, name)}: tensor {name} has non-float dtype {src.dtype}")
+        spec.to_hf(target)[...] = src
+    return out
+
+
+def _iter_params_from_hf(cfg: ModelConfig, tensors: Mapping, abstract: nnx.State
+                         ) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+    """(jaxtron path, numpy array in ``cfg.param_dtype``) for every weight, after checking names and
+    shapes of the whole checkpoint."""
+    shapes = nnx.to_pure_dict(abstract)
+    _check_hf_tensors(cfg, tensors, shapes)
+    dtype = np.dtype(jnp.dtype(cfg.param_dtype))
+    for spec in _specs(cfg):
+        leaf = _tree_get(shapes, spec.path, "model")
+        yield spec.path, _fill_from_hf(spec, _hf_names(cfg, spec), tuple(leaf.shape), dtype, tensors)
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping) -> dict:
+    """A jaxtron pure param dict (numpy arrays in ``cfg.param_dtype``) from HF tensors (name -> array).
+
+    ``tensors`` may be any mapping, including a lazy one. Raises ValueError naming the tensor for a missing
+    tensor, a wrong shape, or a tensor the config does not account for."""
+    params: dict = {}
+    _, abstract = _abstract_model(cfg)
+    for path, arr in _iter_params_from_hf(cfg, tensors, abstract):
+        _tree_set(params, path, arr)
+    return params
+
+
+class _SafetensorsFiles(Mapping):
+    """Lazy name -> numpy array over a HF folder's ``model.safetensors`` or sharded
+    ``model-*.safetensors`` + ``model.safetensors.index.json``. Tensors are read when indexed."""
+
+    def __init__(self, hf_dir: str):
+        index = os.path.join(hf_dir, INDEX_NAME)
+        single = os.path.join(hf_dir, WEIGHTS_NAME)
+        self._handles: dict[str, Any] = {}
+        self._keys: dict[str, set[str]] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
+        if os.path.exists(index):
+            self.source = index
+            with open(index) as f:
+                try:
+                    weight_map = json.load(f)["weight_map"]
+                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                    raise ValueError(f"{index}: not a safetensors index ({err})") from None
+            self._files = {name: os.path.join(hf_dir, fname) for name, fname in weight_map.items()}
+            for path in set(self._files.values()):
+                if not os.path.exists(path):
+                    raise ValueError(f"{index}: shard {os.path.basename(path)} does not exist")
+        elif os.path.exists(single):
+            self.source = single
+            self._open(single)
+            self._files = dict.fromkeys(sorted(self._keys[single]), single)
+        else:
+            raise ValueError(f"{hf_dir}: neither {WEIGHTS_NAME} nor {INDEX_NAME} exists")
+
+    def _open(self, path: str):
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="np")
+            self._keys[path] = set(self._handles[path].keys())
+        return self._handles[path]
+
+    def _header(self, path: str) -> tuple[int, dict]:
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (8 + n, json.loads(f.read(n)))
+        return self._headers[path]
+
+    def file_of(self, name: str) -> str:
+        return self._files.get(name, self.source)
+
+    def _handle_for(self, name: str):
+        path = self._files[name]
+        handle = self._open(path)
+        if name not in self._keys[path]:
+            raise ValueError(f"{self.source}: tensor {name} is listed for {os.path.basename(path)} but that "
+                             f"file does not hold it")
+        return path, handle
+
+    def shape_of(self, name: str) -> list[int]:
+        """The tensor's shape from the file header (no data is read)."""
+        return self._handle_for(name)[1].get_slice(name).get_shape()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        path, handle = self._handle_for(name)
+        dtype = handle.get_slice(name).get_dtype()
+        if dtype not in _ML_DTYPES:
+            return handle.get_tensor(name)
+        # numpy has no bfloat16/float8: map the bytes through ml_dtypes (read-only, no copy).
+        start, header = self._header(path)
+        entry = header[name]
+        begin, _ = entry["data_offsets"]
+        return np.memmap(path, dtype=_ML_DTYPES[dtype], mode="r", offset=start + begin,
+                         shape=tuple(entry["shape"]))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._files
+
+
+def _plan_shards(tensors: Mapping[str, np.ndarray], max_shard_bytes: int, itemsize: int) -> list[list[str]]:
+    """Group tensor names (in order) into shards of at most ``max_shard_bytes``; a bigger tensor gets a
+    shard of its own."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, arr in tensors.items():
+        nbytes = math.prod(arr.shape) * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _remove_old_weights(hf_dir: str) -> None:
+    """Delete weight files an earlier save may have left (a stale index or shard would shadow new ones)."""
+    for fname in os.listdir(hf_dir):
+        if fname in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(fname):
+            os.remove(os.path.join(hf_dir, fname))
