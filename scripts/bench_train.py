@@ -67,11 +67,10 @@ def main(argv=None) -> int:
 
     import jax
     from jaxtron.train.flops import flops_per_token
-    from jaxtron.train.loop import Run, put_batch
-    from jaxtron.train.step import accumulation_steps
+    from jaxtron.train.loop import Trainer, put_batch
 
     try:
-        run = Run(cfg)
+        run = Trainer(cfg)
     except config_lib.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -103,14 +102,12 @@ def main(argv=None) -> int:
     tps = t.global_batch_size * seq / step_s
     out = {
         "devices": n, "device_kind": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
-        "mesh": dict(run.mesh_shape), "dtype": config_lib.compute_dtype(cfg.model), "remat": cfg.model.remat,
+        "mesh": dict(run.layout.sizes), "dtype": config_lib.compute_dtype(cfg.model), "remat": cfg.model.remat,
         "global_batch_size": t.global_batch_size, "seq_len": seq, "documents_per_row": args.documents,
-        "accumulation_steps": accumulation_steps(cfg, run.dp),
-        "pipeline": ({"stages": run.mesh_shape["stage"], "schedule": cfg.parallel.pipeline_schedule,
-                      "virtual_stages": cfg.parallel.virtual_stages,
-                      "bubble": config_lib.pipeline_bubble(cfg.parallel, run.mesh_shape["stage"],
-                                                           accumulation_steps(cfg, run.dp))}
-                     if run.mesh_shape["stage"] > 1 else None),
+        "accumulation_steps": run.layout.accumulation_steps,
+        "pipeline": ({"stages": run.layout.stages, "schedule": cfg.parallel.pipeline_schedule,
+                      "virtual_stages": cfg.parallel.virtual_stages, "bubble": run.layout.bubble}
+                     if run.layout.stages > 1 else None),
         "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(state["params"]))),
         "compile_s": compile_s, "warmup_steps": args.warmup, "timed_steps": args.steps,
         "step_s": step_s, "step_s_median": step_s_median, "tokens_per_s": tps, "tokens_per_s_per_device": tps / n,

@@ -41,7 +41,7 @@ def temp_memory(overrides: list[str]) -> dict:
     from jaxtron.train.aot import lower_train_step_with_spec
 
     cfg = config_lib.load(None, overrides)
-    lowered, _, _, sizes = lower_train_step_with_spec(cfg, jax.devices())
+    lowered, _, _ = lower_train_step_with_spec(cfg, jax.devices())
     mem = lowered.compile().memory_analysis()
     return {"temp": int(mem.temp_size_in_bytes), "arguments": int(mem.argument_size_in_bytes)}
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxtron.parallel.layout import Layout
 from jaxtron import config as config_lib
 from jaxtron.train.__main__ import main
 
@@ -125,9 +126,9 @@ def test_mosaic_on_cpu_refuses_too_few_xla_threads(monkeypatch):
 
     cfg = config_lib.load(None, ["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256",
                                  "model.num_heads=4", "model.num_kv_heads=2", "model.dtype=bfloat16"])
-    config_lib.validate_for_devices(cfg, 1, "cpu")                 # 8 CPU devices here: 8 threads
+    Layout.planned(cfg, 1, "cpu")                 # 8 CPU devices here: 8 threads
     monkeypatch.setattr(fam, "interpret_threads", lambda: 2)
     with pytest.raises(config_lib.ConfigError, match="model.attention_impl: 'mosaic' on CPU needs 4 XLA CPU"):
-        config_lib.validate_for_devices(cfg, 1, "cpu")
+        Layout.planned(cfg, 1, "cpu")
     with pytest.raises(RuntimeError, match="XLA_FLAGS=--xla_force_host_platform_device_count=4"):
         fam.mosaic_interpret_params()

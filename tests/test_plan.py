@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from helpers import xla_gpu_plugin_version
+from jaxtron.parallel.layout import Layout
 from jaxtron import config as config_lib
 from jaxtron.plan import get_gpu, hlo, plan, search
 from jaxtron.plan import model as pm
@@ -100,7 +101,7 @@ def test_state_bytes_match_closed_form(data, fsdp, tensor):
     assert r["compiler"] == "XLA:CPU"
     assert r["memory"]["params"] == pytest.approx(4 * n / (fsdp * tensor), rel=0.01)
     assert r["memory"]["optimizer"] == pytest.approx(8 * n / (fsdp * tensor), rel=0.01)
-    cf = pm.closed_form_state_bytes(cfg, r["mesh"])
+    cf = pm.closed_form_state_bytes(cfg, Layout.planned(cfg, 8))
     assert r["memory"]["params"] == pytest.approx(cf["params"], rel=0.01)
     assert r["memory"]["arguments"] >= r["memory"]["params"] + r["memory"]["optimizer"]
 
@@ -127,7 +128,7 @@ def test_not_fitting_plan_really_exceeds_memory():
     assert not r["memory"]["fits"]
     args = r["memory"]["arguments"]
     assert args + r["memory"]["temp"] > small_gpu.memory_bytes  # the compiler's own numbers exceed it
-    assert pm.closed_form_memory(cfg, r["mesh"])["total"] > small_gpu.memory_bytes
+    assert pm.closed_form_memory(cfg, Layout.planned(cfg, 8))["total"] > small_gpu.memory_bytes
     # sharding it over fsdp (ZeRO-3) lowers the compiled peak
     r2 = _cached_plan("parallel.data=1", "parallel.fsdp=8", "parallel.tensor=1")
     assert r2["memory"]["peak"] < r["memory"]["peak"]

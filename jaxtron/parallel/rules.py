@@ -13,7 +13,7 @@ which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) paralle
 
 from __future__ import annotations
 
-from jaxtron.config import ParallelConfig
+from jaxtron.config.schema import ParallelConfig
 
 Rules = tuple[tuple[str, object], ...]
 

@@ -28,11 +28,6 @@ def use_rules(rules: Sequence[tuple[str, Any]], mesh: Optional[Mesh] = None) -> 
         _STATE.ctx = prev
 
 
-def current_rules() -> Optional[tuple]:
-    ctx = getattr(_STATE, "ctx", None)
-    return ctx[0] if ctx else None
-
-
 def logical_to_spec(names: Sequence[Optional[str]], rules: Sequence[tuple[str, Any]]) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(names), tuple(rules))
 

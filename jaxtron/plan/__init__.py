@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 from jaxtron import config as config_lib
-from jaxtron.config import Config, micro_batch_size
+from jaxtron.config import Config
+from jaxtron.parallel.layout import Layout
 from jaxtron.plan import hlo
 from jaxtron.plan import model as pm
 from jaxtron.plan.gpus import GPUS, GpuSpec, get_gpu
@@ -113,11 +114,11 @@ def _shard_bytes(tree) -> float:
 
 
 def compile_step(cfg: Config, devices: Sequence):
-    """(compiled, abstract state spec, mesh, mesh sizes): the same program as ``jaxtron.train.aot``."""
+    """(compiled, abstract state spec, layout): the same program as ``jaxtron.train.aot``."""
     from jaxtron.train.aot import lower_train_step_with_spec
 
-    lowered, spec, mesh, sizes = lower_train_step_with_spec(cfg, list(devices))
-    return lowered.compile(), spec, mesh, sizes
+    lowered, spec, layout = lower_train_step_with_spec(cfg, list(devices))
+    return lowered.compile(), spec, layout
 
 
 def layout_overrides(cfg: Config) -> str:
@@ -143,7 +144,7 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     ccfg, cfg_notes = prepare_config(cfg, backend)
     notes += cfg_notes
     t0 = time.perf_counter()
-    compiled, spec, mesh, sizes = compile_step(ccfg, devices)
+    compiled, spec, layout = compile_step(ccfg, devices)
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     params_b = _shard_bytes(spec.abstract_state["params"])
@@ -156,17 +157,16 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     usable = gpu.usable_bytes
     text = compiled.as_text()
     ops = hlo.collectives(text, len(devices))
-    node_of = np.array([d.id // gpu.gpus_per_node for d in mesh.devices.flat]) if backend == "gpu" else None
+    node_of = np.array([d.id // gpu.gpus_per_node for d in layout.mesh.devices.flat]) if backend == "gpu" else None
     if backend == "gpu":  # logical id i is mesh.devices.flat[i]; its node from the topology's process index
-        node_of = np.array([getattr(d, "process_index", d.id // gpu.gpus_per_node) for d in mesh.devices.flat])
-    roof = pm.roofline(ccfg, sizes, gpu, ops, len(devices), node_of)
-    dp = sizes["data"] * sizes["fsdp"]
+        node_of = np.array([getattr(d, "process_index", d.id // gpu.gpus_per_node) for d in layout.mesh.devices.flat])
+    roof = pm.roofline(ccfg, layout, gpu, ops, len(devices), node_of)
     result = {
         "gpu": gpu.name, "gpu_description": gpu.description, "num_gpus": len(devices),
         "nodes": max(1, len(devices) // gpu.gpus_per_node), "compiler": "XLA:GPU" if backend == "gpu" else "XLA:CPU",
-        "compile_s": compile_s, "mesh": sizes, "overrides": layout_overrides(cfg),
-        "micro_batch_size": micro_batch_size(ccfg.train, dp),
-        "accumulation_steps": ccfg.train.global_batch_size // (micro_batch_size(ccfg.train, dp) * dp),
+        "compile_s": compile_s, "mesh": dict(layout.sizes), "layout": layout.describe(),
+        "overrides": layout_overrides(cfg),
+        "micro_batch_size": layout.micro_batch_size, "accumulation_steps": layout.accumulation_steps,
         "global_batch_size": ccfg.train.global_batch_size, "seq_len": ccfg.data.seq_len,
         "attention_impl": ccfg.model.attention_impl, "remat": ccfg.model.remat,
         "memory": {
@@ -177,7 +177,7 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
             "device_memory": gpu.memory_bytes, "usable": usable, "mem_fraction": gpu.mem_fraction,
             "fits": peak <= usable, "headroom": usable - peak,
         },
-        "closed_form_memory": pm.closed_form_memory(ccfg, sizes),
+        "closed_form_memory": pm.closed_form_memory(ccfg, layout),
         "flops": {
             "model_flops_per_step": roof["model_flops_per_step"],
             "model_flops_per_step_causal": roof["model_flops_per_step_causal"],
@@ -242,13 +242,13 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
     cands = candidate_configs(cfg, num_gpus, gpu.gpus_per_node)
     scored, pruned = [], 0
     for c in cands:
-        sizes = {"stage": 1, "data": c.parallel.data, "fsdp": c.parallel.fsdp, "tensor": c.parallel.tensor}
         cc, _ = prepare_config(c, backend)
-        est = pm.closed_form_memory(cc, sizes)
+        layout = Layout.planned(cc, num_gpus)
+        est = pm.closed_form_memory(cc, layout)
         if est["total"] > margin * gpu.usable_bytes:
             pruned += 1
             continue
-        scored.append((pm.closed_form_step_s(cc, sizes, gpu, num_gpus), c))
+        scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus), c))
     scored.sort(key=lambda x: x[0])
     results, rejected = [], []
     for _, c in scored[:max_compiles]:

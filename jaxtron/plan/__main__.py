@@ -44,10 +44,9 @@ def _gib(x: float) -> str:
 
 def _print_plan(r: dict) -> None:
     mem, roof, fl = r["memory"], r["roofline"], r["flops"]
-    m = r["mesh"]
     print(f"{r['gpu_description']} x {r['num_gpus']} ({r['nodes']} node(s)), compiler {r['compiler']} "
           f"({r['compile_s']:.1f} s)")
-    print(f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} stage={m['stage']}; global batch "
+    print(f"mesh {r['layout']}; global batch "
           f"{r['global_batch_size']} x seq {r['seq_len']}, micro batch {r['micro_batch_size']}, "
           f"{r['accumulation_steps']} accumulation step(s), remat={r['remat']}, attention={r['attention_impl']}")
     print("\nmemory per device")

@@ -24,17 +24,14 @@ the ``causal`` convention is reported next to it.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
 
-from jaxtron.config import Config, head_dim, micro_batch_size
+from jaxtron.config import Config, head_dim
+from jaxtron.parallel.layout import Layout
 from jaxtron.plan.gpus import GpuSpec
 from jaxtron.train.flops import flops_per_token
-
-MESH_ORDER = ("stage", "data", "fsdp", "tensor")
-
 
 def layer_params(m) -> int:
     d, h, kv, hd, f = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size
@@ -47,13 +44,13 @@ def param_count(m) -> int:
     return emb * (1 if m.tie_embeddings else 2) + m.num_layers * layer_params(m) + m.hidden_size
 
 
-def closed_form_state_bytes(cfg: Config, sizes: dict) -> dict:
+def closed_form_state_bytes(cfg: Config, layout: Layout) -> dict:
     """Per-device bytes of params, AdamW state and gradients: every matrix is split over fsdp (its hidden dim)
     and tensor (heads / mlp / vocab); norms and biases are small and counted as split the same way."""
     m = cfg.model
     pbytes = 2 if m.param_dtype in ("bfloat16", "float16") else (8 if m.param_dtype == "float64" else 4)
     n = param_count(m)
-    shard = sizes["fsdp"] * sizes["tensor"]
+    shard = layout.fsdp * layout.tp
     return {"params": n * pbytes / shard, "optimizer": 2 * n * pbytes / shard, "grads": n * pbytes / shard,
             "param_count": n}
 
@@ -70,37 +67,34 @@ def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str) -> float:
     return 2 * d / dt  # full: the layer input only
 
 
-def closed_form_memory(cfg: Config, sizes: dict) -> dict:
+def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     """A quick per-device memory estimate used to prune ``--search`` before compiling (not the reported
     number: the compiler's memory analysis is)."""
     m, s = cfg.model, cfg.data.seq_len
-    t, dp = sizes["tensor"], sizes["data"] * sizes["fsdp"]
-    b = micro_batch_size(cfg.train, dp)
+    t, dp, b = layout.tp, layout.dp, layout.micro_batch_size
     sp = cfg.parallel.sequence_parallel and t > 1
-    st = closed_form_state_bytes(cfg, sizes)
+    st = closed_form_state_bytes(cfg, layout)
     tokens = b * s
     saved = m.num_layers * tokens * _act_bytes_per_token_layer(m, t, sp, m.remat)
     working = tokens * _act_bytes_per_token_layer(m, t, sp, "none") * 2  # one layer's fwd + bwd live set
     logits = tokens * m.vocab_size / t * (2 + 4 + 4)
-    gathered = 2 * 2 * layer_params(m) / t if sizes["fsdp"] > 1 else 0
-    acc = st["grads"] if cfg.train.global_batch_size // (b * dp) > 1 else 0
+    gathered = 2 * 2 * layer_params(m) / t if layout.fsdp > 1 else 0
+    acc = st["grads"] if layout.accumulation_steps > 1 else 0
     temp = saved + working + logits + gathered + acc + st["grads"]
     total = st["params"] + st["optimizer"] + temp
     return {**st, "activations": saved + working + logits + gathered, "temp": temp, "total": total}
 
 
-def hbm_bytes(cfg: Config, sizes: dict) -> float:
+def hbm_bytes(cfg: Config, layout: Layout) -> float:
     """Closed-form HBM traffic per device per step (see module doc)."""
     m, s = cfg.model, cfg.data.seq_len
-    t, dp = sizes["tensor"], sizes["data"] * sizes["fsdp"]
-    b = micro_batch_size(cfg.train, dp)
-    accum = cfg.train.global_batch_size // (b * dp)
+    t, b, accum = layout.tp, layout.micro_batch_size, layout.accumulation_steps
     sp = cfg.parallel.sequence_parallel and t > 1
     n_local = param_count(m) / t
     weights = 3 * 2 * n_local * accum * (4 / 3 if m.remat == "full" else 1)
     act = 4 * m.num_layers * b * s * _act_bytes_per_token_layer(m, t, sp, "none") * accum
     logits = 3 * b * s * m.vocab_size / t * 4 * accum
-    opt = 28 * param_count(m) / (sizes["fsdp"] * t)
+    opt = 28 * param_count(m) / (layout.fsdp * t)
     return weights + act + logits + opt
 
 
@@ -108,30 +102,21 @@ def model_flops(cfg: Config, convention: str = "full") -> float:
     return flops_per_token(cfg.model, cfg.data.seq_len, convention) * cfg.train.global_batch_size * cfg.data.seq_len
 
 
-def classify(op, mesh_shape: tuple, node_of: np.ndarray) -> tuple[tuple[str, ...], bool]:
+def classify(op, layout: Layout, node_of: np.ndarray) -> tuple[tuple[str, ...], bool]:
     """(mesh axes the op's replica groups span, whether a group spans nodes)."""
-    n = int(np.prod(mesh_shape))
+    n = layout.num_devices
     if op.kind == "collective-permute":
-        pairs = op.pairs or []
-        cross = any(node_of[a] != node_of[b] for a, b in pairs if a < n and b < n)
-        axes = set()
-        for a, b in pairs:
-            if a < n and b < n:
-                ca, cb = np.unravel_index(a, mesh_shape), np.unravel_index(b, mesh_shape)
-                axes |= {MESH_ORDER[i] for i in range(len(mesh_shape)) if ca[i] != cb[i]}
-        return tuple(sorted(axes)), cross
+        pairs = [(a, b) for a, b in (op.pairs or []) if a < n and b < n]
+        return layout.axes_of_pairs(pairs), any(node_of[a] != node_of[b] for a, b in pairs)
     groups = op.groups if op.groups is not None else np.arange(n)[None]
     groups = groups[:, :][:, groups.min(0) >= 0] if groups.size else groups
-    g = groups[0]
-    coords = np.array(np.unravel_index(g, mesh_shape)).T if len(g) else np.zeros((0, len(mesh_shape)))
-    axes = tuple(MESH_ORDER[i] for i in range(len(mesh_shape)) if len(set(coords[:, i])) > 1)
+    axes = layout.axes_of_group(list(groups[0])) if len(groups) else ()
     cross = bool(any(len(set(node_of[grp])) > 1 for grp in groups))
     return axes, cross
 
 
-def roofline(cfg: Config, sizes: dict, gpu: GpuSpec, ops: list, num_gpus: int,
+def roofline(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, num_gpus: int,
              node_of: Optional[np.ndarray] = None) -> dict:
-    mesh_shape = tuple(sizes[a] for a in MESH_ORDER)
     if node_of is None:
         node_of = np.arange(num_gpus) // gpu.gpus_per_node
     remat_factor = 4 / 3 if cfg.model.remat == "full" else 1.0
@@ -140,19 +125,19 @@ def roofline(cfg: Config, sizes: dict, gpu: GpuSpec, ops: list, num_gpus: int,
     hw_flops = mf_causal * remat_factor / num_gpus
     peak = gpu.peak_tflops * 1e12
     compute_s = hw_flops / (peak * gpu.compute_efficiency)
-    memory_s = hbm_bytes(cfg, sizes) / (gpu.hbm_gbps * 1e9)
+    memory_s = hbm_bytes(cfg, layout) / (gpu.hbm_gbps * 1e9)
     kernel_s = compute_s + memory_s
     exposed = overlappable = 0.0
     by_link = {"nvlink": 0.0, "network": 0.0}
     per_kind = {}
     for op in ops:
-        axes, cross = classify(op, mesh_shape, node_of)
+        axes, cross = classify(op, layout, node_of)
         bw = (gpu.net_gbps if cross else gpu.nvlink_gbps) * 1e9 * gpu.comm_efficiency
         if op.wire_bytes == 0:
             continue
         secs = op.count * (op.wire_bytes / bw + gpu.collective_latency_us * 1e-6)
         by_link["network" if cross else "nvlink"] += op.wire_bytes * op.count
-        if axes == ("tensor",):
+        if layout.on_critical_path(axes):
             exposed += secs
         else:
             overlappable += secs
@@ -169,13 +154,12 @@ def roofline(cfg: Config, sizes: dict, gpu: GpuSpec, ops: list, num_gpus: int,
     }
 
 
-def closed_form_comm_s(cfg: Config, sizes: dict, gpu: GpuSpec, num_gpus: int) -> float:
+def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int) -> float:
     """Rough communication time for ranking search candidates before compiling."""
     m, s = cfg.model, cfg.data.seq_len
-    t, f, d = sizes["tensor"], sizes["fsdp"], sizes["data"]
-    dp = d * f
-    b = micro_batch_size(cfg.train, dp)
-    accum = cfg.train.global_batch_size // (b * dp)
+    t, f = layout.tp, layout.fsdp
+    d = layout.dp // f
+    b, accum = layout.micro_batch_size, layout.accumulation_steps
     per_node = gpu.gpus_per_node
     bw = lambda span: (gpu.nvlink_gbps if span <= per_node else gpu.net_gbps) * 1e9 * gpu.comm_efficiency
     n = param_count(m)
@@ -192,19 +176,12 @@ def closed_form_comm_s(cfg: Config, sizes: dict, gpu: GpuSpec, num_gpus: int) ->
     return secs
 
 
-def closed_form_step_s(cfg: Config, sizes: dict, gpu: GpuSpec, num_gpus: int) -> float:
+def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int) -> float:
     remat_factor = 4 / 3 if cfg.model.remat == "full" else 1.0
     compute = model_flops(cfg, "causal") * remat_factor / num_gpus / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency)
-    return compute + hbm_bytes(cfg, sizes) / (gpu.hbm_gbps * 1e9) + closed_form_comm_s(cfg, sizes, gpu, num_gpus)
+    return compute + hbm_bytes(cfg, layout) / (gpu.hbm_gbps * 1e9) + closed_form_comm_s(cfg, layout, gpu, num_gpus)
 
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
-
-def fmt_bytes(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
-
-
-def isclose(a, b, rel=0.1):
-    return math.isclose(a, b, rel_tol=rel)

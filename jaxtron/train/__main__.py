@@ -31,7 +31,9 @@ def main(argv=None) -> int:
         initialize(cfg)  # before anything touches the devices
         from jaxtron.train.loop import run  # imports jax: after the config is known to be good
         import jax
-        config_lib.validate_for_devices(cfg, jax.device_count(), jax.devices()[0].platform)
+
+        from jaxtron.parallel.layout import Layout
+        Layout.planned(cfg, jax.device_count(), jax.devices()[0].platform)  # mesh-dependent checks, no mesh yet
     except config_lib.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -7,9 +7,8 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxtron import config as config_lib
 from jaxtron.config import Config
-from jaxtron.parallel import build_mesh, logical_rules
+from jaxtron.parallel.layout import Layout
 from jaxtron.train.optimizer import make_optimizer
 from jaxtron.train.state import abstract_train_state
 from jaxtron.train.step import BATCH_KEYS, batch_sharding, make_train_step
@@ -22,16 +21,13 @@ def abstract_batch(cfg: Config, sharding) -> dict:
 
 
 def lower_train_step_with_spec(cfg: Config, devices: Optional[Sequence[jax.Device]] = None):
-    """(lowered train step, abstract state spec, mesh, mesh sizes) for ``cfg`` on ``devices``."""
-    devices = list(devices if devices is not None else jax.devices())
-    sizes = config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
-    mesh = build_mesh(cfg.parallel, devices)
-    rules = logical_rules(cfg.parallel)
+    """(lowered train step, abstract state spec, layout) for ``cfg`` on ``devices``."""
+    layout = Layout.build(cfg, devices)
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
-    spec = abstract_train_state(cfg, tx, mesh, rules)
-    step = make_train_step(cfg, spec, tx, schedule, mesh, rules, sizes["data"] * sizes["fsdp"])
-    lowered = step.trace(spec.abstract_state, abstract_batch(cfg, batch_sharding(mesh, rules))).lower()
-    return lowered, spec, mesh, sizes
+    spec = abstract_train_state(cfg, tx, layout)
+    step = make_train_step(cfg, spec, tx, schedule, layout)
+    lowered = step.trace(spec.abstract_state, abstract_batch(cfg, batch_sharding(layout))).lower()
+    return lowered, spec, layout
 
 
 def lower_train_step(cfg: Config, devices: Optional[Sequence[jax.Device]] = None) -> jax.stages.Lowered:

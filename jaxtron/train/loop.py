@@ -24,16 +24,14 @@ from flax import nnx
 from jaxtron import config as config_lib
 from jaxtron.config import Config
 from jaxtron.data.corpus import make_corpus
-from jaxtron.parallel import build_mesh, logical_rules
-from jaxtron.parallel.sharding import use_rules
+from jaxtron.parallel.layout import Layout
 from jaxtron.train.callbacks import Callback, TrainingAborted, TrainResult  # noqa: F401  (re-exported)
 from jaxtron.train.callbacks import as_callback as _as_callback
 from jaxtron.train.checkpoints import TrainerCheckpoints
 from jaxtron.train.flops import device_peak_tflops
 from jaxtron.train.optimizer import make_optimizer
 from jaxtron.train.state import abstract_train_state
-from jaxtron.train.step import (BATCH_KEYS, accumulation_steps, batch_sharding, make_eval_step, make_loss_and_grads,
-                                 make_train_step)
+from jaxtron.train.step import BATCH_KEYS, batch_sharding, make_eval_step, make_loss_and_grads, make_train_step
 from jaxtron.train.training import TrainerLoop
 
 log = logging.getLogger("jaxtron")
@@ -87,21 +85,19 @@ class Trainer(TrainerLoop, TrainerCheckpoints):
                             f"{type(loss_fn).__name__}")
         self.cfg = cfg
         devices = list(devices if devices is not None else jax.devices())
-        self.mesh_shape = config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
-        self.mesh = build_mesh(cfg.parallel, devices)
-        self.rules = logical_rules(cfg.parallel)
-        self.dp = self.mesh_shape["data"] * self.mesh_shape["fsdp"]
+        self.layout = Layout.build(cfg, devices)
+        self.mesh, self.rules = self.layout.mesh, self.layout.rules
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
-        self.spec = abstract_train_state(cfg, self.tx, self.mesh, self.rules)
+        self.spec = abstract_train_state(cfg, self.tx, self.layout)
         self.loss_fn = loss_fn
         self.callbacks = [_as_callback(cb) for cb in callbacks]
         self._state: Optional[dict] = None
         self._step_count: Optional[int] = None  # host copy of state["step"] (None: read it from the state)
-        self._jitted_train_step = make_train_step(cfg, self.spec, self.tx, self.schedule, self.mesh, self.rules,
-                                                  self.dp, loss_fn=loss_fn)
+        self._jitted_train_step = make_train_step(cfg, self.spec, self.tx, self.schedule, self.layout,
+                                                  loss_fn=loss_fn)
         self.train_step = self._jitted_train_step  # train() replaces it with its ahead-of-time compiled form
-        self.eval_step = make_eval_step(cfg, self.spec, self.mesh, self.rules, self.dp)
-        self.batch_sharding = batch_sharding(self.mesh, self.rules)
+        self.eval_step = make_eval_step(cfg, self.spec, self.layout)
+        self.batch_sharding = batch_sharding(self.layout)
         self.num_devices = len(devices)
         peak = cfg.train.peak_tflops or device_peak_tflops(devices[0].device_kind)
         self.peak_flops = peak * 1e12 if peak else None
@@ -216,11 +212,10 @@ class Trainer(TrainerLoop, TrainerCheckpoints):
         fp32 gradient of the loss per loss token (what the train step hands the optimizer, before clipping),
         through the same accumulation or pipeline path, and ``loss``, ``grad_norm``, ``tokens``."""
         if self._grad_fn is None:
-            loss_and_grads = make_loss_and_grads(self.cfg, self.spec, self.mesh, self.rules, self.dp,
-                                                 self.loss_fn)
+            loss_and_grads = make_loss_and_grads(self.cfg, self.spec, self.layout, self.loss_fn)
 
             def grads(params, batch):
-                with use_rules(self.rules, self.mesh):
+                with self.layout.tracing():
                     (ce, n, _), g = loss_and_grads(params, batch)
                     n = jnp.maximum(n, 1.0)
                     g = jax.tree.map(lambda x: x / n, g)
@@ -235,18 +230,15 @@ class Trainer(TrainerLoop, TrainerCheckpoints):
 
     def log_summary(self) -> None:
         """The start-up summary: model size, steps, batch, accumulation and the pipeline schedule's bubble."""
-        cfg = self.cfg
-        accum = accumulation_steps(cfg, self.dp)
-        log.info("model: %.2fM params; %d steps of %d x %d tokens; %s %d",
+        cfg, lay = self.cfg, self.layout
+        log.info("model: %.2fM params; %d steps of %d x %d tokens; %s; %s %d",
                  self.num_params / 1e6, cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len,
-                 "micro batches" if self.mesh_shape["stage"] > 1 else "grad accumulation", accum)
-        stages = self.mesh_shape["stage"]
-        if stages > 1:
+                 lay.describe(), "micro batches" if lay.stages > 1 else "grad accumulation", lay.accumulation_steps)
+        if lay.stages > 1:
             p = cfg.parallel
             virtual = f" x {p.virtual_stages} virtual" if p.pipeline_schedule == "circular" else ""
             log.info("pipeline %s: %d stages%s, %d micro batches, bubble %.1f%% (MFU counts only model FLOPs)",
-                     p.pipeline_schedule, stages, virtual, accum,
-                     100 * config_lib.pipeline_bubble(p, stages, accum))
+                     p.pipeline_schedule, lay.stages, virtual, lay.accumulation_steps, 100 * lay.bubble)
 
     # ------------------------------------------------------------------------------------ train / eval
     def evaluate(self, data=None) -> float:
@@ -259,9 +251,6 @@ class Trainer(TrainerLoop, TrainerCheckpoints):
             total += float(out["loss_sum"])
             count += float(out["tokens"])
         return total / max(count, 1.0)
-
-
-Run = Trainer  # the former name
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -13,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtron.config import Config
 from jaxtron.model import Llama
-from jaxtron.parallel.sharding import param_shardings, use_rules
+from jaxtron.parallel.layout import Layout
+from jaxtron.parallel.sharding import param_shardings
 
 
 @dataclass
@@ -31,14 +33,19 @@ def model_factory(cfg: Config):
     return lambda: Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
 
 
-def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, mesh: Mesh, rules) -> ModelSpec:
-    """Shapes, dtypes and shardings of the train state; nothing is allocated."""
+def _abstract_model(cfg: Config, layout: Layout):
+    """(graphdef, make, NamedShardings of the params) of the model ``cfg`` describes, on ``layout``'s mesh."""
     make = model_factory(cfg)
-    with use_rules(rules, mesh):
+    with layout.tracing():
         abstract_model = nnx.eval_shape(make)
     graphdef, abstract_vars = nnx.split(abstract_model)
-    p_sh = param_shardings(abstract_vars, mesh, rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    return graphdef, make, param_shardings(abstract_vars, layout.mesh, layout.rules)
+
+
+def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, layout: Layout) -> ModelSpec:
+    """Shapes, dtypes and shardings of the train state; nothing is allocated."""
+    graphdef, make, p_sh = _abstract_model(cfg, layout)
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
 
     def init():
         _, params = nnx.split(make())
@@ -53,32 +60,16 @@ def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, mesh: Me
     return ModelSpec(graphdef, p_sh, shardings, abstract, init)
 
 
-def init_train_state(cfg: Config, tx: optax.GradientTransformation, mesh: Mesh, rules) -> tuple[dict, ModelSpec]:
-    """Create params and optimizer state directly in their shards (jit with out_shardings): no device ever
-    holds a full copy of a sharded weight."""
-    spec = abstract_train_state(cfg, tx, mesh, rules)
-    state = jax.jit(spec.init_fn, out_shardings=spec.state_shardings)()
-    return state, spec
-
-
-def create_model(cfg: Config, mesh: Optional[Mesh] = None, devices=None) -> Llama:
+def create_model(cfg: Config, mesh: Optional[Mesh] = None, devices=None, layout: Optional[Layout] = None) -> Llama:
     """A freshly initialized :class:`~jaxtron.model.Llama` (seed ``train.seed``, the init a training run
-    starts from) whose parameters are created directly in their shards on ``mesh`` (default: the mesh
-    ``cfg.parallel`` describes over ``devices``, default all devices). Call it under ``jax.set_mesh(mesh)``
-    and ``jaxtron.parallel.use_rules`` to keep activations sharded too; outside them it runs as GSPMD
-    propagates from the parameters."""
-    from jaxtron import config as config_lib
-    from jaxtron.parallel import build_mesh, logical_rules
-
-    if mesh is None:
-        devices = list(devices if devices is not None else jax.devices())
-        config_lib.validate_for_devices(cfg, len(devices), devices[0].platform)
-        mesh = build_mesh(cfg.parallel, devices)
-    rules = logical_rules(cfg.parallel)
-    make = model_factory(cfg)
-    with use_rules(rules, mesh):
-        abstract_model = nnx.eval_shape(make)
-    graphdef, abstract_vars = nnx.split(abstract_model)
-    shardings = param_shardings(abstract_vars, mesh, rules)
+    starts from) whose parameters are created directly in their shards: on ``layout``, else on ``mesh``, else
+    on the layout ``cfg.parallel`` describes over ``devices`` (default all devices). Call it under
+    ``layout.tracing()`` (or ``jax.set_mesh(mesh)`` and ``jaxtron.parallel.use_rules``) to keep activations
+    sharded too; outside them it runs as GSPMD propagates from the parameters."""
+    if layout is None:
+        layout = Layout.build(cfg, devices if mesh is None else list(mesh.devices.flat))
+        if mesh is not None:
+            layout = dataclasses.replace(layout, mesh=mesh)
+    graphdef, make, shardings = _abstract_model(cfg, layout)
     params = jax.jit(lambda: nnx.split(make())[1].to_pure_dict(), out_shardings=shardings)()
     return nnx.merge(graphdef, params)

@@ -8,32 +8,19 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
-from jaxtron.config import Config, micro_batch_size
-from jaxtron.parallel import pipeline
-from jaxtron.parallel.sharding import constrain, logical_to_spec, use_rules
+from jaxtron.config import Config
+from jaxtron.parallel.layout import Layout
+from jaxtron.parallel.stages import BATCH_AXES, pipelined_loss, pipelined_value_and_grad, split_micro
 from jaxtron.train.loss import cross_entropy_sums
 from jaxtron.train.state import ModelSpec
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-BATCH_AXES = ("act_batch", "act_seq")
 
 
-def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(BATCH_AXES, rules))
-
-
-def accumulation_steps(cfg: Config, dp: int) -> int:
-    return cfg.train.global_batch_size // (micro_batch_size(cfg.train, dp) * dp)
-
-
-def _split_micro(batch: dict, accum: int) -> dict:
-    """[G, S] -> [accum, G/accum, S], micro batch a = rows a, a+accum, ...: each device keeps its own rows."""
-    def split(x):
-        x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
-        return constrain(x, (None,) + BATCH_AXES)
-    return jax.tree.map(split, batch)
+def batch_sharding(layout: Layout) -> NamedSharding:
+    return layout.sharding(BATCH_AXES)
 
 
 def _f32zero() -> jax.Array:
@@ -46,12 +33,15 @@ def _segments(batch: dict, packed: bool):
     return batch["segment_ids"] if packed else None
 
 
-def _sums(graphdef, params, batch, z_loss: float, packed: bool = True):
+def _logits_sums(logits, batch, z_loss: float):
     """(objective sum, (reported loss sum, token count, aux sums)) of the built-in loss."""
-    model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], batch["positions"], _segments(batch, packed))
     ce, z, n = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
     return ce + z, (ce, n, {})
+
+
+def _sums(graphdef, params, batch, z_loss: float, packed: bool = True):
+    model = nnx.merge(graphdef, params)
+    return _logits_sums(model(batch["inputs"], batch["positions"], _segments(batch, packed)), batch, z_loss)
 
 
 # names a custom loss's aux entries may not take: the step's metrics and the loop's metrics.jsonl record
@@ -85,68 +75,13 @@ def _custom_sums(loss_fn: Callable, graphdef, params, batch):
     return loss_sum, (loss_sum.astype(jnp.float32), n, sums)
 
 
-STACKED = "layers"  # the model's stacked decoder blocks (leading 'layers' axis): what a pipeline splits
-
-
-def pipeline_spec(cfg: Config, mesh: Mesh, micro_batches: int, for_eval: bool = False):
-    """The pipeline schedule for this mesh, or None without pipeline stages. Evaluation (forward only) runs
-    the 1f1b configuration through the gpipe loop."""
-    stages = mesh.shape["stage"]
-    if stages == 1:
-        return None
-    schedule = cfg.parallel.pipeline_schedule
-    if for_eval and schedule == "1f1b":
-        schedule = "gpipe"
-    return pipeline.PipelineSpec(stages, micro_batches, schedule, cfg.parallel.virtual_stages,
-                                 cfg.parallel.pipeline_fsdp_gather_once)
-
-
-def _split_stacked(params: dict) -> tuple[dict, dict]:
-    return params[STACKED], {k: v for k, v in params.items() if k != STACKED}
-
-
-def _pipeline_parts(graphdef, params_struct: dict, z_loss: float, packed: bool):
-    """pre/stage/post for :mod:`jaxtron.parallel.pipeline`: the embedding, a chunk of the stacked layers, and
-    the logits with the loss sums. Each rebuilds the model from the params it needs; the others are scalar
-    placeholders (the part of the forward it runs never reads them)."""
-    stacked_struct, shared_struct = _split_stacked(params_struct)
-    placeholder = lambda tree: jax.tree.map(lambda _: jnp.zeros((), jnp.float32), tree)
-    model = lambda shared, layers: nnx.merge(graphdef, {**shared, STACKED: layers})
-
-    def pre(shared, mb):
-        return model(shared, placeholder(stacked_struct)).embed_tokens(mb["inputs"])
-
-    def stage(layers, x, mb):
-        return model(placeholder(shared_struct), layers).run_layers(x, mb["positions"], _segments(mb, packed))
-
-    def post(shared, x, mb):
-        logits = model(shared, placeholder(stacked_struct)).logits(x)
-        ce, z, n = cross_entropy_sums(logits, mb["targets"], mb["loss_mask"], z_loss)
-        return ce + z, (ce, n, {})
-
-    return pre, stage, post
-
-
-def _pipelined_grads(pspec, spec: ModelSpec, mesh: Mesh, rules, z_loss: float, packed: bool, params: dict,
-                     batch: dict):
-    """((ce, tokens, {}), fp32 grads) of the whole batch through the pipeline, its micro batches as in
-    accumulation."""
-    pre, stage, post = _pipeline_parts(spec.graphdef, params, z_loss, packed)
-    stacked, shared = _split_stacked(params)
-    stacked_specs = jax.tree.map(lambda sh: sh.spec, spec.param_shardings[STACKED])
-    micro = _split_micro(batch, pspec.micro_batches)
-    sums, (g_stacked, g_shared) = pipeline.value_and_grad(pspec, mesh, rules, pre, stage, post, stacked,
-                                                          stacked_specs, shared, micro)
-    return sums, {**g_shared, STACKED: g_stacked}
-
-
-def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int,
+def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
                         loss_fn: Optional[Callable] = None) -> Callable:
     """``(params, batch) -> ((loss_sum, tokens, aux_sums), grads)``: the summed reported loss (cross entropy, or
     a custom ``loss_fn``'s), the token count, the custom loss's aux sums and the fp32 gradient of the summed
     objective over the whole batch, through gradient accumulation or the pipeline schedule. Pure; trace it
-    under ``use_rules(rules, mesh)``."""
-    accum = accumulation_steps(cfg, dp)
+    under ``layout.tracing()``."""
+    accum = layout.accumulation_steps
     z_loss = cfg.optim.z_loss
     packed = cfg.data.reset_at_eod
     if loss_fn is None:
@@ -154,14 +89,15 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int
     else:
         sums = lambda p, b: _custom_sums(loss_fn, spec.graphdef, p, b)
     grad_fn = jax.value_and_grad(sums, has_aux=True)
-    pspec = pipeline_spec(cfg, mesh, accum)
-    if pspec is not None and loss_fn is not None:
+    if layout.stages > 1 and loss_fn is not None:
         raise ValueError("a custom loss_fn(model, batch) cannot run with parallel.stage > 1: the pipeline computes "
                          "the loss from the last stage's hidden states, not from a whole model")
 
     def loss_and_grads(params, batch):
-        if pspec is not None:
-            return _pipelined_grads(pspec, spec, mesh, rules, z_loss, packed, params, batch)
+        if layout.stages > 1:
+            return pipelined_value_and_grad(layout, spec.graphdef, spec.param_shardings,
+                                            lambda logits, mb: _logits_sums(logits, mb, z_loss),
+                                            lambda mb: _segments(mb, packed), params, batch)
         if accum == 1:
             (_, out), grads = grad_fn(params, batch)
             return out, grads
@@ -174,7 +110,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int
 
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
                              params, spec.param_shardings)
-        micro = _split_micro(batch, accum)
+        micro = split_micro(batch, accum)
         aux0 = jax.tree.map(lambda _: _f32zero(),  # the aux sums' names, from the loss's trace
                             jax.eval_shape(sums, params, jax.tree.map(lambda x: x[0], micro))[1][2])
         (grads, ce, n, aux), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero(), aux0), micro)
@@ -184,13 +120,13 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int
 
 
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation, schedule: Callable,
-                    mesh: Mesh, rules, dp: int, loss_fn: Optional[Callable] = None):
+                    layout: Layout, loss_fn: Optional[Callable] = None):
     """The jitted train step. ``loss_fn(model, batch) -> (loss_sum, aux)`` replaces the built-in cross entropy
     (plus ``optim.z_loss``); see :class:`jaxtron.train.loop.Trainer` for the contract."""
-    loss_and_grads = make_loss_and_grads(cfg, spec, mesh, rules, dp, loss_fn)
+    loss_and_grads = make_loss_and_grads(cfg, spec, layout, loss_fn)
 
     def step(state, batch):
-        with use_rules(rules, mesh):
+        with layout.tracing():
             params = state["params"]
             (ce, n, aux), grads = loss_and_grads(params, batch)
             n = jnp.maximum(n, 1.0)
@@ -208,28 +144,25 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
                        "skipped": jnp.logical_not(ok), **{k: v / n for k, v in aux.items()}}
             return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
-    return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(mesh, rules)),
+    return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(layout)),
                    out_shardings=(spec.state_shardings, None), donate_argnums=(0,))
 
 
-def make_eval_step(cfg: Config, spec: ModelSpec, mesh: Mesh, rules, dp: int):
-    accum = accumulation_steps(cfg, dp)
-    pspec = pipeline_spec(cfg, mesh, accum, for_eval=True)
+def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
+    packed = cfg.data.reset_at_eod
 
     def evaluate(params, batch):
-        with use_rules(rules, mesh):
-            if pspec is not None:
-                pre, stage, post = _pipeline_parts(spec.graphdef, params, 0.0, cfg.data.reset_at_eod)
-                stacked, shared = _split_stacked(params)
-                stacked_specs = jax.tree.map(lambda sh: sh.spec, spec.param_shardings[STACKED])
-                _, (ce, n, _) = pipeline.forward_loss(pspec, mesh, rules, pre, stage, post, stacked, stacked_specs,
-                                                   shared, _split_micro(batch, accum))
+        with layout.tracing():
+            if layout.stages > 1:
+                _, (ce, n, _) = pipelined_loss(layout, spec.graphdef, spec.param_shardings,
+                                               lambda logits, mb: _logits_sums(logits, mb, 0.0),
+                                               lambda mb: _segments(mb, packed), params, batch)
                 return {"loss_sum": ce, "tokens": n}
 
             def body(carry, micro):
-                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0, cfg.data.reset_at_eod)
+                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0, packed)
                 return (carry[0] + ce, carry[1] + n), None
-            (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), _split_micro(batch, accum))
+            (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), split_micro(batch, layout.accumulation_steps))
             return {"loss_sum": ce, "tokens": n}
 
-    return jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding(mesh, rules)))
+    return jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding(layout)))

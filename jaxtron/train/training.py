@@ -77,7 +77,7 @@ class TrainerLoop:
         self.train_step = self._jitted_train_step.lower(self.state, first).compile()
         result.compile_seconds = time.perf_counter() - t0
         log.info("compiled the train step in %.1f s on %d devices, mesh %s", result.compile_seconds,
-                 self.num_devices, self.mesh_shape)
+                 self.num_devices, self.layout.describe())
 
         writer = MetricsWriter(t.output_dir, t.steps, cfg.logging.tensorboard, cfg.logging.progress, start)
         try:

@@ -1,0 +1,219 @@
+"""The config schema: one dataclass per section, each field with its default and doc.
+
+The defaults are the ``tiny`` preset. Loading (YAML + dotted overrides) is in :mod:`jaxtron.config.loading`,
+device-independent checks in :mod:`jaxtron.config.validation`; checks that need the mesh sizes are made by
+:mod:`jaxtron.parallel.layout`, and kernel capability checks by :mod:`jaxtron.model.kernels`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+DEFAULT_PRESET = "tiny"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``str(err)`` is one line that starts with the field name."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def _f(default: Any = dataclasses.MISSING, doc: str = "", factory: Any = None):
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class RopeScalingConfig:
+    type: str = _f("none", "'none' or 'llama3' (Llama-3.1 frequency-dependent scaling).")
+    factor: float = _f(8.0, "llama3: how much the context is stretched.")
+    low_freq_factor: float = _f(1.0, "llama3: wavelengths above original_max/low_freq_factor are scaled fully.")
+    high_freq_factor: float = _f(4.0, "llama3: wavelengths below original_max/high_freq_factor are kept.")
+    original_max_position_embeddings: int = _f(8192, "llama3: the context length the model was trained with.")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = _f(256, "Vocabulary size (rows of the embedding table).")
+    hidden_size: int = _f(256, "Model width d_model.")
+    num_layers: int = _f(4, "Number of decoder blocks (stacked and scanned).")
+    num_heads: int = _f(4, "Query heads.")
+    num_kv_heads: int = _f(2, "Key/value heads (GQA: num_heads % num_kv_heads == 0; 1 = MQA).")
+    head_dim: Optional[int] = _f(None, "Per-head width; default hidden_size // num_heads.")
+    intermediate_size: int = _f(512, "SwiGLU hidden width (ffn_hidden_size).")
+    rope_theta: float = _f(10000.0, "RoPE base frequency.")
+    rope_scaling: RopeScalingConfig = _f(doc="RoPE frequency scaling.", factory=RopeScalingConfig)
+    rms_norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
+    tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
+    qkv_bias: bool = _f(False, "Bias on the Q/K/V projections (Qwen2).")
+    initializer_range: float = _f(0.02, "Std of the normal init; output projections use std/sqrt(2*num_layers).")
+    attention_impl: str = _f("xla", "Attention: 'xla' (reference, any device), 'cudnn' (GPU), 'pallas' (jaxtron's "
+                                    "flash attention; GPU, or interpret mode on CPU: exact but slow) or 'mosaic' "
+                                    "(its Mosaic GPU kernels for Hopper; bf16/fp16, head_dim "
+                                    "64 or 128; on CPU interpreted with jax >= 0.11).")
+    deterministic_attention: bool = _f(False, "Bitwise-reproducible attention gradients: 'mosaic' then computes dq "
+                                              "in a kernel of its own instead of reduce-adding it from the dk/dv "
+                                              "kernel (seven matmuls per block pair, not five); 'xla' and "
+                                              "'pallas' always are; 'cudnn' is refused.")
+    rope_impl: str = _f("xla", "Rotary embedding: 'xla' or 'pallas' (fused q/k kernel; interpret mode on CPU).")
+    mlp_impl: str = _f("xla", "SwiGLU activation: 'xla' or 'pallas' (fused kernel; interpret mode on CPU).")
+    check_kernels: bool = _f(True, "On GPUs, before compiling the train step, run each selected Pallas/Mosaic "
+                                   "kernel forward and backward on a small problem against the XLA reference "
+                                   "and stop with an error naming the field if it disagrees "
+                                   "(jaxtron/train/kernel_check.py).")
+    remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
+    scan_unroll: int = _f(1, "Decoder blocks per iteration of the layer scan (1: rolled). Unrolling lets XLA fuse "
+                             "across blocks and, inside a pipeline tick's checkpoint, merge the blocks' own "
+                             "recomputation with the tick's; compile time grows with it.")
+    dtype: str = _f("auto", "Compute dtype for matmuls and activations; 'auto': bfloat16 on GPU/TPU, float32 on "
+                            "CPU (where bf16 elementwise ops are emulated and slower).")
+    param_dtype: str = _f("float32", "Master weight dtype (optimizer state follows it).")
+
+
+@dataclass
+class ParallelConfig:
+    data: int = _f(-1, "Data-parallel size (replicated params). -1: all devices the other axes leave.")
+    fsdp: int = _f(1, "FSDP / ZeRO-3 size: params, grads and optimizer state sharded, batch split.")
+    tensor: int = _f(1, "Megatron tensor-parallel size (heads, MLP and vocab split).")
+    stage: int = _f(1, "Pipeline stages: the stacked decoder layers are split over this mesh axis (shard_map "
+                       "over 'stage'; data, FSDP and tensor parallelism work inside each stage).")
+    pipeline_schedule: str = _f("1f1b", "With stage > 1: '1f1b' (one forward and one backward per tick, "
+                                        "activation memory flat in the number of micro batches), 'gpipe' "
+                                        "(fill-drain, gradients through the loop with remat) or 'circular' "
+                                        "(interleaved virtual stages, see virtual_stages).")
+    virtual_stages: int = _f(1, "circular schedule: layer chunks per device (Megatron's virtual pipeline); "
+                                "the bubble shrinks from (S-1)/(M+S-1) to (S-1)/(V*M+S-1).")
+    pipeline_fsdp_gather_once: bool = _f(False, "With stage > 1 and fsdp > 1: all-gather each stage's weights "
+                                                "over 'fsdp' once per step (and reduce-scatter their gradients "
+                                                "once) instead of in every pipeline tick. Faster; costs the "
+                                                "stage's unsharded weights and gradients in memory per device "
+                                                "(MaxText's pipeline_fsdp_ag_once).")
+    sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-3, "Peak learning rate.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr.")
+    schedule: str = _f("cosine", "'cosine' (warmup + cosine), 'linear' (warmup + linear), 'wsd' or 'constant'.")
+    warmup_steps: int = _f(20, "Linear warmup steps from 0.")
+    decay_steps: Optional[int] = _f(None, "Steps of the decay phase; default train.steps - warmup_steps "
+                                          "(wsd: default 20% of train.steps).")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to norms and biases).")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    z_loss: float = _f(0.0, "Coefficient of the z-loss (logsumexp^2) added to the loss.")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("builtin", "'builtin': this Python installation's standard-library sources (no download); "
+                                "'indexed': Megatron .bin/.idx prefixes in data.paths.")
+    paths: Optional[str] = _f(None, "indexed: 'PREFIX' or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' "
+                                    "(Megatron's --data-path).")
+    split: str = _f("969,30,1", "indexed: train,valid,test weights over the documents (Megatron's --split).")
+    eod_id: int = _f(0, "indexed: the end-of-document token id (the byte tokenizer's is 0).")
+    tokenizer: str = _f("byte", "builtin: 'byte', byte-level (vocab 256, token 0 = end of document).")
+    seq_len: int = _f(256, "Tokens per training sequence.")
+    valid_fraction: float = _f(0.02, "Fraction of documents held out for evaluation.")
+    max_corpus_bytes: int = _f(16 * 2**20, "builtin: read at most this many bytes of sources.")
+    cache_dir: Optional[str] = _f(None, "builtin: where its .bin/.idx files are prepared once (default "
+                                        "$JAXTRON_CACHE_DIR or ~/.cache/jaxtron).")
+    reset_at_eod: bool = _f(False, "Restart positions and block attention at end-of-document tokens (the batch's "
+                                   "segment_ids); false: plain causal attention over the whole sequence.")
+    eod_mask_loss: bool = _f(False, "Do not train on predicting the end-of-document token.")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(200, "Optimizer steps to run.")
+    seed: int = _f(0, "Seed for parameter init and data order.")
+    output_dir: str = _f("runs/default", "Where metrics.jsonl, TensorBoard events and the resolved config go.")
+    global_batch_size: int = _f(8, "Sequences per optimizer step.")
+    micro_batch_size: Optional[int] = _f(None, "Sequences per micro batch per data-parallel replica (data*fsdp);"
+                                               " gradient accumulation steps = global / (micro * dp). Default: "
+                                               "global / dp (no accumulation).")
+    eval_every: int = _f(100, "Evaluate on held-out data every N steps (0: only at the end).")
+    eval_batches: int = _f(4, "Batches of global_batch_size per evaluation.")
+    peak_tflops: Optional[float] = _f(None, "Peak dense bf16 TFLOP/s per device for MFU; default from the "
+                                            "known-GPU table, none on CPU.")
+    collective_timeout_s: int = _f(100, "Multi-process runs: a process that stops answering for this long "
+                                        "(crashed, hung, lost node) makes the others exit with an error "
+                                        "instead of waiting forever.")
+    max_skipped_steps: int = _f(10, "A step whose loss or gradient norm is not finite is skipped (no update); "
+                                    "after this many in a row the run saves a checkpoint and stops.")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = _f(None, "Checkpoint directory; default <train.output_dir>/checkpoints.")
+    enabled: bool = _f(True, "Save checkpoints (at the end, every every_steps, and on SIGTERM/SIGINT) and resume "
+                             "from the newest complete one in dir.")
+    every_steps: int = _f(0, "Also save every N steps (0: only at the end and on SIGTERM/SIGINT).")
+    keep: int = _f(2, "Keep the newest N checkpoints (older ones are deleted, except keep_every multiples).")
+    keep_every: int = _f(0, "Keep every checkpoint whose step is a multiple of N for good (0: none).")
+    async_save: bool = _f(True, "Write checkpoints in the background; training blocks only while the state is "
+                                "copied.")
+    resume: bool = _f(True, "Resume from the newest complete checkpoint in dir when there is one.")
+    fallback: bool = _f(False, "When the newest checkpoint cannot be read, fall back to the previous one "
+                               "(default: stop with an error naming the file and step).")
+    load_weights: Optional[str] = _f(None, "Start from the parameters of this checkpoint (a checkpoint "
+                                           "directory, or one step of it) with a fresh optimizer, e.g. the "
+                                           "output of 'python -m jaxtron.convert import-hf'. Ignored when "
+                                           "resuming from dir.")
+
+
+@dataclass
+class DistributedConfig:
+    coordinator: Optional[str] = _f(None, "host:port of process 0's coordinator for a multi-process run "
+                                          "(env JAXTRON_COORDINATOR). Under SLURM or Open MPI it is found "
+                                          "automatically.")
+    num_processes: Optional[int] = _f(None, "Processes in the run (env JAXTRON_NUM_PROCESSES).")
+    process_id: Optional[int] = _f(None, "This process's index, 0..num_processes-1 (env JAXTRON_PROCESS_ID).")
+    initialization_timeout_s: int = _f(300, "How long processes wait for each other at start-up.")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = _f(10, "Log metrics every N steps.")
+    tensorboard: bool = _f(True, "Write TensorBoard events to <train.output_dir>/tensorboard.")
+    progress: bool = _f(True, "Show a progress bar on the terminal.")
+    level: str = _f("INFO", "Python logging level.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _f(doc="The network.", factory=ModelConfig)
+    parallel: ParallelConfig = _f(doc="Device mesh sizes and sharding switches.", factory=ParallelConfig)
+    optim: OptimConfig = _f(doc="Optimizer and learning-rate schedule.", factory=OptimConfig)
+    data: DataConfig = _f(doc="Training data.", factory=DataConfig)
+    train: TrainConfig = _f(doc="The training run.", factory=TrainConfig)
+    checkpoint: CheckpointConfig = _f(doc="Checkpoints.", factory=CheckpointConfig)
+    distributed: DistributedConfig = _f(doc="Joining a multi-process (multi-node) run.", factory=DistributedConfig)
+    logging: LoggingConfig = _f(doc="Metrics and terminal output.", factory=LoggingConfig)
+
+
+def compute_dtype(m: ModelConfig) -> str:
+    """The resolved compute dtype name ('auto' -> bfloat16 on accelerators, float32 on CPU)."""
+    if m.dtype != "auto":
+        return m.dtype
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    return cfg.checkpoint.dir or os.path.join(cfg.train.output_dir, "checkpoints")

@@ -1,0 +1,126 @@
+"""Checks of a config that need no devices; each raises :class:`ConfigError` naming the first bad field.
+
+Checks that need the mesh sizes (heads divisible by the tensor axis, batch by the data-parallel size, layers
+by the pipeline stages) are made by :mod:`jaxtron.parallel.layout`, once, and called from here with the sizes
+the config fixes; kernel capability checks (head dims, dtypes, platforms) by :mod:`jaxtron.model.kernels`.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+
+from jaxtron.config.schema import Config, ConfigError, head_dim
+
+ATTENTION_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
+KERNEL_IMPLS = ("xla", "pallas")
+REMAT_POLICIES = ("none", "full", "save_dots")
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(field_name, message)
+
+
+def _positive(cfg, *dotted: str) -> None:
+    for name in dotted:
+        v = reduce(getattr, name.split("."), cfg)
+        check(v is not None and v > 0, name, f"must be > 0, got {v}")
+
+
+def _one_of(cfg, name: str, choices) -> None:
+    v = reduce(getattr, name.split("."), cfg)
+    check(v in choices, name, f"{v!r} is not one of {tuple(choices)}")
+
+
+def validate(cfg: Config) -> Config:
+    """Checks that need no devices. Raises ConfigError naming the first bad field."""
+    from jaxtron.model import kernels
+    from jaxtron.parallel import layout
+
+    _validate_model(cfg)
+    kernels.check(cfg)
+    layout.check_parallel(cfg)
+    _validate_optim(cfg)
+    _validate_data(cfg)
+    _validate_run(cfg)
+    return cfg
+
+
+def _validate_model(cfg: Config) -> None:
+    m = cfg.model
+    _positive(cfg, "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
+              "model.num_kv_heads", "model.intermediate_size", "model.rope_theta", "model.rms_norm_eps")
+    check(m.head_dim is None or m.head_dim > 0, "model.head_dim", f"must be > 0, got {m.head_dim}")
+    check(m.head_dim is not None or m.hidden_size % m.num_heads == 0, "model.hidden_size",
+          f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}; set model.head_dim")
+    check(head_dim(m) % 2 == 0, "model.head_dim", f"must be even for RoPE, got {head_dim(m)}")
+    check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
+          f"model.num_heads={m.num_heads} is not divisible by num_kv_heads={m.num_kv_heads}")
+    _one_of(cfg, "model.attention_impl", ATTENTION_IMPLS)
+    check(not (m.deterministic_attention and m.attention_impl == "cudnn"), "model.deterministic_attention",
+          "cuDNN's attention backward is not deterministic here; use model.attention_impl=pallas or mosaic")
+    _one_of(cfg, "model.rope_impl", KERNEL_IMPLS)
+    _one_of(cfg, "model.mlp_impl", KERNEL_IMPLS)
+    _one_of(cfg, "model.remat", REMAT_POLICIES)
+    check(m.scan_unroll >= 1, "model.scan_unroll", f"must be >= 1, got {m.scan_unroll}")
+    _one_of(cfg, "model.dtype", DTYPES + ("auto",))
+    _one_of(cfg, "model.param_dtype", DTYPES)
+    _one_of(cfg, "model.rope_scaling.type", ("none", "llama3"))
+    if m.rope_scaling.type == "llama3":
+        rs = m.rope_scaling
+        _positive(cfg, *(f"model.rope_scaling.{n}" for n in ("factor", "low_freq_factor", "high_freq_factor",
+                                                             "original_max_position_embeddings")))
+        check(rs.high_freq_factor > rs.low_freq_factor, "model.rope_scaling.high_freq_factor",
+              f"must be > low_freq_factor ({rs.low_freq_factor}), got {rs.high_freq_factor}")
+
+
+def _validate_optim(cfg: Config) -> None:
+    o = cfg.optim
+    _positive(cfg, "optim.lr")
+    check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _one_of(cfg, "optim.schedule", SCHEDULES)
+    check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    check(o.decay_steps is None or o.decay_steps >= 0, "optim.decay_steps", f"must be >= 0, got {o.decay_steps}")
+    check(0.0 <= o.beta1 < 1.0, "optim.beta1", f"must be in [0, 1), got {o.beta1}")
+    check(0.0 <= o.beta2 < 1.0, "optim.beta2", f"must be in [0, 1), got {o.beta2}")
+    for name in ("weight_decay", "grad_clip", "z_loss"):
+        v = getattr(o, name)
+        check(v >= 0, f"optim.{name}", f"must be >= 0, got {v}")
+
+
+def _validate_data(cfg: Config) -> None:
+    d, m = cfg.data, cfg.model
+    _one_of(cfg, "data.source", ("builtin", "indexed"))
+    check(d.source != "indexed" or bool(d.paths), "data.paths", "required when data.source=indexed")
+    check(d.tokenizer == "byte", "data.tokenizer", f"{d.tokenizer!r} is not supported yet (only 'byte')")
+    _positive(cfg, "data.seq_len", "data.max_corpus_bytes")
+    check(0.0 < d.valid_fraction < 1.0, "data.valid_fraction", f"must be in (0, 1), got {d.valid_fraction}")
+    if d.source == "builtin" and d.tokenizer == "byte":
+        check(m.vocab_size >= 256, "model.vocab_size", f"the byte tokenizer needs >= 256, got {m.vocab_size}")
+
+
+def _validate_run(cfg: Config) -> None:
+    t, c, dd = cfg.train, cfg.checkpoint, cfg.distributed
+    _positive(cfg, "train.steps", "train.global_batch_size", "train.eval_batches")
+    check(t.micro_batch_size is None or t.micro_batch_size > 0, "train.micro_batch_size",
+          f"must be > 0, got {t.micro_batch_size}")
+    check(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
+    check(t.peak_tflops is None or t.peak_tflops > 0, "train.peak_tflops", f"must be > 0, got {t.peak_tflops}")
+    check(bool(t.output_dir), "train.output_dir", "must not be empty")
+    for name in ("every_steps", "keep_every"):
+        check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
+    check(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
+    check(c.dir is None or bool(c.dir), "checkpoint.dir", "must not be empty")
+    check(c.load_weights is None or bool(c.load_weights), "checkpoint.load_weights", "must not be empty")
+    check(t.collective_timeout_s >= 1, "train.collective_timeout_s", f"must be >= 1, got {t.collective_timeout_s}")
+    check(dd.num_processes is None or dd.num_processes >= 1, "distributed.num_processes",
+          f"must be >= 1, got {dd.num_processes}")
+    check(dd.process_id is None or dd.process_id >= 0, "distributed.process_id",
+          f"must be >= 0, got {dd.process_id}")
+    check(dd.initialization_timeout_s >= 1, "distributed.initialization_timeout_s", "must be >= 1")
+    check(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
+    _positive(cfg, "logging.log_every")
+    check(cfg.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level",
+          f"{cfg.logging.level!r} is not a logging level")

@@ -1,0 +1,270 @@
+"""The Layout: how one run is laid out on its devices, worked out once from ``cfg.parallel``, the devices and
+the batch config. Everything outside ``jaxtron/parallel/`` asks the Layout (the data-parallel size, stages,
+micro batches, the mesh, the rules, the batch sharding) instead of doing mesh arithmetic itself.
+
+    layout = Layout.build(cfg, devices)           # validates, resolves a -1 axis, builds the mesh
+    layout.dp, layout.tp, layout.stages, layout.accumulation_steps, layout.bubble
+    with layout.tracing():                        # the mesh + logical rules the model's constraints follow
+        ...
+
+Adding a mesh axis: add it to :data:`AXES` (and a size field to ``ParallelConfig``), map logical names onto
+it in :mod:`jaxtron.parallel.rules`, check what it must divide in :func:`check_parallel`, and put the code
+that needs the axis by name (a ``shard_map``) in ``jaxtron/parallel/``. See docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Optional, Sequence
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxtron.config.schema import Config, ConfigError, ParallelConfig
+
+if TYPE_CHECKING:  # jax is imported where a mesh is built: config validation does not import it
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+
+# The mesh axes, outermost first: stage and data span hosts; tensor (then fsdp) stay innermost, inside a node.
+AXES = ("stage", "data", "fsdp", "tensor")
+# Axes that split the batch (data parallelism: gradients are reduced over them).
+BATCH_SPLIT = ("data", "fsdp")
+# Axes whose collectives sit on the critical path (Megatron tensor/sequence parallel activations); the others
+# (FSDP gathers, gradient reductions) XLA overlaps with compute.
+CRITICAL_PATH = ("tensor",)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular")
+
+
+def _check(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(field_name, message)
+
+
+def configured_sizes(p: ParallelConfig) -> dict[str, int]:
+    """The sizes as configured, by axis (-1: fill with the devices the others leave)."""
+    return {a: getattr(p, a) for a in AXES}
+
+
+def resolve_sizes(p: ParallelConfig, num_devices: int) -> dict[str, int]:
+    """Fill a -1 axis and check that the mesh covers exactly ``num_devices`` devices."""
+    sizes = configured_sizes(p)
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    fill = [a for a, v in sizes.items() if v == -1]
+    if fill:
+        _check(num_devices % fixed == 0, f"parallel.{fill[0]}",
+               f"cannot fill: {num_devices} devices are not divisible by the other axes' product {fixed}")
+        sizes[fill[0]] = num_devices // fixed
+    total = math.prod(sizes.values())
+    _check(total == num_devices, "parallel",
+           f"mesh {'*'.join(AXES)} = {'*'.join(str(sizes[a]) for a in AXES)} = {total} does not match the "
+           f"{num_devices} available devices")
+    return sizes
+
+
+def micro_batch_size(cfg: Config, dp: int) -> int:
+    """Sequences per micro batch per data-parallel replica (resolving the default: no accumulation)."""
+    t = cfg.train
+    return t.micro_batch_size if t.micro_batch_size is not None else t.global_batch_size // dp
+
+
+def check_parallel(cfg: Config, sizes: Optional[Mapping[str, int]] = None) -> None:
+    """Every check of ``parallel.*`` against the model and batch. Without ``sizes`` (no devices known yet) the
+    axes the config fixes are checked and a ``-1`` axis is skipped; :meth:`Layout.build` calls it again with the
+    resolved sizes."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    for axis, v in configured_sizes(p).items():
+        _check(v == -1 or v >= 1, f"parallel.{axis}", f"must be >= 1 (or -1 to fill), got {v}")
+    _check(sum(v == -1 for v in configured_sizes(p).values()) <= 1, "parallel",
+           f"at most one of {'/'.join(AXES)} may be -1")
+    _check(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
+           f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    _check(p.virtual_stages >= 1, "parallel.virtual_stages", f"must be >= 1, got {p.virtual_stages}")
+    _check(p.virtual_stages == 1 or p.pipeline_schedule == "circular", "parallel.virtual_stages",
+           f"{p.virtual_stages} virtual stages need parallel.pipeline_schedule=circular "
+           f"(got {p.pipeline_schedule!r})")
+    known = dict(sizes) if sizes is not None else {a: v for a, v in configured_sizes(p).items() if v != -1}
+    stages, tensor = known.get("stage"), known.get("tensor")
+    if stages is not None:
+        chunks = stages * p.virtual_stages
+        _check(m.num_layers % chunks == 0, "model.num_layers",
+               f"{m.num_layers} layers cannot be split into parallel.stage ({stages}) x parallel.virtual_stages "
+               f"({p.virtual_stages}) = {chunks} equal chunks")
+    if tensor is not None:
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            _check(getattr(m, name) % tensor == 0, "parallel.tensor",
+                   f"model.{name}={getattr(m, name)} is not divisible by tensor={tensor}")
+        if p.sequence_parallel:
+            _check(cfg.data.seq_len % tensor == 0, "data.seq_len",
+                   f"{cfg.data.seq_len} is not divisible by parallel.tensor={tensor} (sequence_parallel)")
+    if all(a in known for a in BATCH_SPLIT):
+        dp = math.prod(known[a] for a in BATCH_SPLIT)
+        split = "*".join(BATCH_SPLIT)
+        if t.micro_batch_size is None:
+            _check(t.global_batch_size % dp == 0, "train.global_batch_size",
+                   f"{t.global_batch_size} is not divisible by the data-parallel size ({split} = {dp})")
+        else:
+            _check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
+                   f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
+                   f"data-parallel size ({split} = {dp})")
+        if stages is not None and stages > 1 and p.pipeline_schedule == "circular":
+            mb = t.global_batch_size // (micro_batch_size(cfg, dp) * dp)
+            _check(mb >= stages, "train.micro_batch_size",
+                   f"the circular schedule needs at least parallel.stage={stages} micro batches per step; "
+                   f"global_batch_size / (micro_batch_size x {' x '.join(BATCH_SPLIT)}) = {mb}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Mesh sizes (resolved), the mesh (``None`` for a layout planned without devices), the logical-axis rules
+    and the batch and pipeline arithmetic of one run. Build it with :meth:`build` (or :meth:`planned`)."""
+
+    sizes: Mapping[str, int]
+    global_batch_size: int
+    micro_batch_size: int
+    parallel: ParallelConfig
+    mesh: Optional[Mesh] = None
+    platform: Optional[str] = None
+
+    # ---------------------------------------------------------------------------------------- building
+    @classmethod
+    def build(cls, cfg: Config, devices: Optional[Sequence[jax.Device]] = None) -> "Layout":
+        """The layout of ``cfg`` on ``devices`` (default: all): every mesh-dependent check (and the kernels'
+        device checks) made once, a ``-1`` axis resolved, the mesh built. Raises :class:`ConfigError`."""
+        import jax
+
+        from jaxtron.parallel.mesh import mesh_for
+
+        devices = list(devices if devices is not None else jax.devices())
+        layout = cls.planned(cfg, len(devices), devices[0].platform)
+        return cls(layout.sizes, layout.global_batch_size, layout.micro_batch_size, cfg.parallel,
+                   mesh_for([layout.sizes[a] for a in AXES], AXES, devices), devices[0].platform)
+
+    @classmethod
+    def planned(cls, cfg: Config, num_devices: int, platform: Optional[str] = None) -> "Layout":
+        """The layout of ``cfg`` on ``num_devices`` devices of ``platform`` without building a mesh (for the
+        planner's estimates and for validating before devices are set up)."""
+        from jaxtron.model import kernels
+
+        sizes = resolve_sizes(cfg.parallel, num_devices)
+        check_parallel(cfg, sizes)
+        dp = math.prod(sizes[a] for a in BATCH_SPLIT)
+        layout = cls(sizes, cfg.train.global_batch_size, micro_batch_size(cfg, dp), cfg.parallel, None, platform)
+        if platform is not None:
+            kernels.check(cfg, platform, num_devices=num_devices, micro_batch_size=layout.micro_batch_size,
+                          tensor=layout.tp)
+        return layout
+
+    # ------------------------------------------------------------------------------------------- sizes
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh sizes in :data:`AXES` order."""
+        return tuple(self.sizes[a] for a in AXES)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the ways the batch is split (data x fsdp)."""
+        return math.prod(self.sizes[a] for a in BATCH_SPLIT)
+
+    @property
+    def tp(self) -> int:
+        return self.sizes["tensor"]
+
+    @property
+    def fsdp(self) -> int:
+        return self.sizes["fsdp"]
+
+    @property
+    def stages(self) -> int:
+        return self.sizes["stage"]
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro batches per optimizer step (gradient accumulation steps, or the pipeline's micro batches)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the pipeline schedule: (S-1)/(M+S-1), or (S-1)/(V*M+S-1) for the circular one."""
+        s = self.stages
+        if s <= 1:
+            return 0.0
+        v = self.parallel.virtual_stages if self.parallel.pipeline_schedule == "circular" else 1
+        return (s - 1) / (v * self.accumulation_steps + s - 1)
+
+    def describe(self) -> str:
+        """``data=2 fsdp=2 tensor=2 stage=1``."""
+        return " ".join(f"{a}={self.sizes[a]}" for a in ("data", "fsdp", "tensor", "stage"))
+
+    def overrides(self) -> list[str]:
+        """The ``parallel.<axis>=<size>`` overrides that give this layout's mesh."""
+        return [f"parallel.{a}={self.sizes[a]}" for a in ("data", "fsdp", "tensor", "stage")]
+
+    # --------------------------------------------------------------------------------- rules, shardings
+    @property
+    def rules(self):
+        from jaxtron.parallel.rules import logical_rules
+
+        return logical_rules(self.parallel)
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """The logical rules and this layout's mesh, for tracing the model (``constrain``, ``per_shard``)."""
+        from jaxtron.parallel.sharding import use_rules
+
+        with use_rules(self.rules, self._mesh()):
+            yield
+
+    def sharding(self, names: Sequence[Optional[str]]) -> NamedSharding:
+        """The sharding of an array whose axes have these logical names."""
+        from jaxtron.parallel.sharding import logical_to_sharding
+
+        return logical_to_sharding(names, self._mesh(), self.rules)
+
+    def _mesh(self) -> Mesh:
+        if self.mesh is None:
+            raise ValueError("this Layout was planned without devices (Layout.planned); use Layout.build")
+        return self.mesh
+
+    def pipeline(self, for_eval: bool = False):
+        """The :class:`~jaxtron.parallel.pipeline.PipelineSpec`, or None without pipeline stages. Evaluation
+        (forward only) runs the 1f1b configuration through the gpipe loop."""
+        from jaxtron.parallel.pipeline import PipelineSpec
+
+        if self.stages == 1:
+            return None
+        p = self.parallel
+        schedule = "gpipe" if for_eval and p.pipeline_schedule == "1f1b" else p.pipeline_schedule
+        return PipelineSpec(self.stages, self.accumulation_steps, schedule, p.virtual_stages,
+                            p.pipeline_fsdp_gather_once)
+
+    # ------------------------------------------------------------------------ collectives (the planner)
+    def axes_of_group(self, logical_ids: Sequence[int]) -> tuple[str, ...]:
+        """The mesh axes a replica group of logical device ids (positions in the mesh) spans."""
+        ids = [i for i in logical_ids if 0 <= i < self.num_devices]
+        if not ids:
+            return ()
+        coords = np.array(np.unravel_index(ids, self.shape)).T
+        return tuple(a for i, a in enumerate(AXES) if len(set(coords[:, i])) > 1)
+
+    def axes_of_pairs(self, pairs: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+        """The mesh axes a collective-permute's source/target pairs move along."""
+        axes = set()
+        for a, b in pairs:
+            if a < self.num_devices and b < self.num_devices:
+                ca, cb = np.unravel_index(a, self.shape), np.unravel_index(b, self.shape)
+                axes |= {AXES[i] for i in range(len(AXES)) if ca[i] != cb[i]}
+        return tuple(a for a in AXES if a in axes)
+
+    @staticmethod
+    def on_critical_path(axes: Sequence[str]) -> bool:
+        """Whether collectives over these axes wait on compute (tensor/sequence parallel activations) rather
+        than overlapping with it (FSDP gathers, gradient reductions)."""
+        return bool(axes) and set(axes) <= set(CRITICAL_PATH)
