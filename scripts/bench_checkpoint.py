@@ -45,9 +45,9 @@ def parse_args(argv=None):
 
 def _setup(overrides, layout):
     from jaxtron import config as config_lib
-    from jaxtron.train.loop import Run
+    from jaxtron.train.loop import Trainer
     cfg = config_lib.load(None, MODEL + list(overrides) + list(layout))
-    return Run(cfg)
+    return Trainer(cfg)
 
 
 def _nbytes(tree) -> int:

@@ -12,7 +12,7 @@ import pytest
 from helpers import synthetic_batch, tiny_config
 from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params
 from jaxtron.train import training
-from jaxtron.train.loop import Run, TrainingAborted, put_batch
+from jaxtron.train.loop import Trainer, TrainingAborted, put_batch
 
 SMALL_DATA = ("data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1", "logging.log_every=1")
 
@@ -42,7 +42,7 @@ def fsdp8_checkpoint(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("fsdp8") / "ckpt")
     cfg = tiny_config("parallel.data=1", "parallel.fsdp=8", "train.steps=5")
     batches = [synthetic_batch(cfg, i) for i in range(5)]
-    run = Run(cfg, jax.devices())
+    run = Trainer(cfg, jax.devices())
     _steps(run, batches[:3])
     ckpt = Checkpointer(d)
     ckpt.save(3, run.state, {"note": "fsdp8"})
@@ -57,7 +57,7 @@ def fsdp8_checkpoint(tmp_path_factory):
 def test_restore_onto_another_mesh_continues_with_equal_loss(fsdp8_checkpoint, name):
     d, batches, saved, continued = fsdp8_checkpoint
     overrides, n = LAYOUTS[name]
-    run = Run(tiny_config(*overrides, "train.steps=5"), jax.devices()[:n])
+    run = Trainer(tiny_config(*overrides, "train.steps=5"), jax.devices()[:n])
     ckpt = Checkpointer(d)
     run.state, meta = ckpt.restore(3, run.spec.abstract_state)
     ckpt.close()
@@ -71,7 +71,7 @@ def test_restore_onto_another_mesh_continues_with_equal_loss(fsdp8_checkpoint, n
 
 def test_weights_only_restore_with_dtype_change(fsdp8_checkpoint):
     d, _, saved, _ = fsdp8_checkpoint
-    run = Run(tiny_config("parallel.data=2", "parallel.tensor=4"), jax.devices())
+    run = Trainer(tiny_config("parallel.data=2", "parallel.tensor=4"), jax.devices())
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=a.sharding),
                             run.spec.abstract_state["params"])
     params, meta = load_params(d, abstract)
@@ -85,7 +85,7 @@ def test_weights_only_restore_with_dtype_change(fsdp8_checkpoint):
 
 def test_restore_rejects_another_model(fsdp8_checkpoint):
     d = fsdp8_checkpoint[0]
-    run = Run(tiny_config("model.hidden_size=32"), jax.devices()[:1])
+    run = Trainer(tiny_config("model.hidden_size=32"), jax.devices()[:1])
     ckpt = Checkpointer(d)
     with pytest.raises(CheckpointError, match=r"step 3: .*\['embed'\].* has shape \[256, 64\] in the checkpoint, "
                                               r"\[256, 32\] in this config"):
@@ -129,20 +129,20 @@ def test_exact_resume_same_losses_and_batches(tmp_path, monkeypatch):
     6-step run and the batches (by hash) are the same."""
     common = ("parallel.data=2", "parallel.fsdp=4", "train.steps=6", "train.eval_every=0", *SMALL_DATA)
     hashes = _record_batches(monkeypatch)
-    full = Run(tiny_config(*common, f"train.output_dir={tmp_path}/full", "checkpoint.enabled=false")).train()
+    full = Trainer(tiny_config(*common, f"train.output_dir={tmp_path}/full", "checkpoint.enabled=false")).train()
     full_hashes = list(hashes)
     assert [s for s, _ in full.losses] == [1, 2, 3, 4, 5, 6]
 
     out = f"train.output_dir={tmp_path}/resumed"
     hashes.clear()
     monkeypatch.setattr(training, "StopSignals", lambda: _StopAfter(3))
-    first = Run(tiny_config(*common, out)).train()
+    first = Trainer(tiny_config(*common, out)).train()
     first_hashes = hashes[:3]  # it had also fetched batch 3 (the next step's) when it stopped
     hashes.clear()
     assert first.stopped_by == "SIGTERM" and first.final_step == 3
     assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == ["3"]
     monkeypatch.setattr(training, "StopSignals", lambda: _StopAfter(10**9))
-    second = Run(tiny_config(*common, out)).train()
+    second = Trainer(tiny_config(*common, out)).train()
     assert second.start_step == 3 and second.final_step == 6 and second.initial_eval_loss is None
     assert first.losses + second.losses == full.losses  # bit-identical floats
     assert first_hashes + hashes == full_hashes  # the same batches, by hash
@@ -150,27 +150,27 @@ def test_exact_resume_same_losses_and_batches(tmp_path, monkeypatch):
                                   np.asarray(full.state["params"]["embed"]))
     assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == ["3", "6"]
     # a finished run started again has nothing to do
-    again = Run(tiny_config(*common, out)).train()
+    again = Trainer(tiny_config(*common, out)).train()
     assert again.start_step == 6 and again.losses == []
 
 
 def test_retention_keeps_last_k_and_every_mth(tmp_path):
     cfg = tiny_config("train.steps=9", "checkpoint.every_steps=1", "checkpoint.keep=2", "checkpoint.keep_every=4",
                       "train.eval_every=0", f"train.output_dir={tmp_path}", *SMALL_DATA)
-    Run(cfg, jax.devices()[:1]).train()
+    Trainer(cfg, jax.devices()[:1]).train()
     assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints")) == [4, 8, 9]
 
 
 def test_unreadable_checkpoint_names_file_and_step_and_falls_back_only_when_told(tmp_path):
     common = ("train.eval_every=0", f"train.output_dir={tmp_path}", "checkpoint.every_steps=2", *SMALL_DATA)
-    Run(tiny_config("train.steps=4", *common), jax.devices()[:1]).train()
+    Trainer(tiny_config("train.steps=4", *common), jax.devices()[:1]).train()
     shard = sorted((tmp_path / "checkpoints" / "4" / "opt_state").glob("*.bin"))[0]
     shard.write_bytes(shard.read_bytes()[:-4])  # truncated
     with pytest.raises(CheckpointError) as err:
-        Run(tiny_config("train.steps=6", *common), jax.devices()[:1]).train()
+        Trainer(tiny_config("train.steps=6", *common), jax.devices()[:1]).train()
     assert "step 4" in str(err.value) and str(shard) in str(err.value) and "truncated" in str(err.value)
     assert "checkpoint.fallback=true" in str(err.value)
-    result = Run(tiny_config("train.steps=6", "checkpoint.fallback=true", *common), jax.devices()[:1]).train()
+    result = Trainer(tiny_config("train.steps=6", "checkpoint.fallback=true", *common), jax.devices()[:1]).train()
     assert result.start_step == 2 and result.final_step == 6
 
 
@@ -185,7 +185,7 @@ def test_non_finite_step_leaves_params_and_optimizer_unchanged():
     """[b0, NaN batch, b2] gives the same params and optimizer state as [b0, b2]."""
     cfg = tiny_config("parallel.data=2", "parallel.fsdp=4")
     b = [synthetic_batch(cfg, i) for i in range(3)]
-    run = Run(cfg, jax.devices())
+    run = Trainer(cfg, jax.devices())
     _steps(run, b[:1])
     before = jax.device_get(run.state)
     run.state, m = run.train_step(run.state, put_batch(_poisoned(b[1]), run.batch_sharding))
@@ -194,7 +194,7 @@ def test_non_finite_step_leaves_params_and_optimizer_unchanged():
     _assert_trees_equal(run.state["opt_state"], before["opt_state"])
     assert int(run.state["step"]) == 2  # the data position still advances
     _steps(run, b[2:])
-    ref = Run(cfg, jax.devices())
+    ref = Trainer(cfg, jax.devices())
     _steps(ref, [b[0], b[2]])
     _assert_trees_equal(run.state["params"], ref.state["params"])
     _assert_trees_equal(run.state["opt_state"], ref.state["opt_state"])
@@ -217,7 +217,7 @@ class _NaNCorpus:
 def test_too_many_skipped_steps_saves_and_stops(tmp_path):
     cfg = tiny_config("train.steps=10", "train.max_skipped_steps=3", "train.eval_every=0",
                       f"train.output_dir={tmp_path}", *SMALL_DATA)
-    run = Run(cfg, jax.devices()[:1])
+    run = Trainer(cfg, jax.devices()[:1])
     initial = jax.device_get(run.state["params"])
     with pytest.raises(TrainingAborted, match=r"stopped at step 3: 3 steps in a row .*max_skipped_steps=3"):
         run.train(_NaNCorpus(cfg))

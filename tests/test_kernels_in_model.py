@@ -9,14 +9,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import synthetic_batch, tiny_config
 from jaxtron.model.attention import attention
-from jaxtron.train.loop import Run, put_batch
+from jaxtron.train.loop import Trainer, put_batch
 
 MODEL = ("model.hidden_size=128", "model.num_heads=8", "model.num_kv_heads=4", "data.reset_at_eod=false")
 PALLAS = ("model.attention_impl=pallas", "model.rope_impl=pallas", "model.mlp_impl=pallas")
 
 
 def _losses_and_grad_norms(cfg, devices):
-    run = Run(cfg, devices)
+    run = Trainer(cfg, devices)
     batch = synthetic_batch(cfg, 0)
     batch["segment_ids"][:, cfg.data.seq_len // 2:] = 2  # two packed documents per row
     batch["positions"][:, cfg.data.seq_len // 2:] -= cfg.data.seq_len // 2

@@ -24,8 +24,6 @@ from jaxtron.checkpoint.shards import CheckpointReadError
 
 log = logging.getLogger("jaxtron")
 
-ITEMS = ("params", "opt_state", "meta")
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the directory, step and file."""
@@ -147,5 +145,3 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, dict]:
         return ckpt.restore_params(step, abstract_params), ckpt.restore_meta(step)
     finally:
         ckpt.close()
-
-

@@ -275,8 +275,3 @@ def restore_tree(directory: str, target: Any) -> Any:
 def describe(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """keypath -> (shape, dtype) of every array saved in an item directory."""
     return {k: (tuple(e["shape"]), e["dtype"]) for k, e in read_index(directory).items()}
-
-
-def tree_nbytes(tree: Any) -> int:
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-

@@ -15,7 +15,6 @@ Bytes are per device. Two numbers per op:
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -291,7 +290,3 @@ def summarize(ops: Sequence[CollectiveOp]) -> dict[str, dict]:
         d["result_bytes"] += op.result_bytes * op.count
         d["wire_bytes"] += op.wire_bytes * op.count
     return out
-
-
-def as_json(ops: Sequence[CollectiveOp]) -> str:
-    return json.dumps(summarize(ops))
