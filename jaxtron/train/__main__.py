@@ -31,9 +31,6 @@ def main(argv=None) -> int:
         initialize(cfg)  # before anything touches the devices
         from jaxtron.train.loop import run  # imports jax: after the config is known to be good
         import jax
-
-        from jaxtron.parallel.layout import Layout
-        Layout.planned(cfg, jax.device_count(), jax.devices()[0].platform)  # mesh-dependent checks, no mesh yet
     except config_lib.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -41,7 +38,7 @@ def main(argv=None) -> int:
     from jaxtron.train.loop import TrainingAborted
     try:
         result = run(cfg)
-    except config_lib.ConfigError as err:  # data-dependent checks (files, token ids) found at start-up
+    except config_lib.ConfigError as err:  # mesh-dependent checks (the Layout) and data checks at start-up
         print(f"error: {err}", file=sys.stderr)
         return 2
     except CheckpointError as err:

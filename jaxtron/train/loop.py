@@ -280,10 +280,10 @@ def setup_logging(level: str) -> None:
 def run(cfg: Config) -> TrainResult:
     """What ``python -m jaxtron.train`` does: log to stderr, write ``<output_dir>/config.yaml``, train."""
     setup_logging(cfg.logging.level)
+    trainer = Trainer(cfg)  # the Layout's checks first: a config that cannot run writes nothing
     if jax.process_index() == 0:
         os.makedirs(cfg.train.output_dir, exist_ok=True)
         with open(os.path.join(cfg.train.output_dir, "config.yaml"), "w") as f:
             f.write(config_lib.to_yaml(cfg))
-    trainer = Trainer(cfg)
     trainer.log_summary()
     return trainer.train()
