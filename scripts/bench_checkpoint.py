@@ -10,8 +10,11 @@ Reported:
 - restore, same layout (fsdp 8), in this process and in a fresh process (memory the process never touched:
   the number a restarted job sees, with the files in the page cache);
 - restore onto another layout (data 2, fsdp 2, tensor 2): resharding on read;
+- ``verify``: ``python -m jaxtron.checkpoint verify`` of the saved step (sizes and checksums, no JAX);
 - ``--orbax-baseline``: the same state with Orbax's own StandardCheckpointer (OCDBT), for comparison.
-GiB/s = state bytes / wall seconds until every restored array is ready.
+GiB/s = state bytes / wall seconds until every restored array is ready. Saves checksum every shard file and
+read each back before the step is finalized (``JAXTRON_CHECKPOINT_VERIFY_SAVE=0`` skips the read-back);
+restores check every file's checksum.
 """
 
 from __future__ import annotations
@@ -160,6 +163,13 @@ def main(argv=None) -> int:
         out["restore_s"] = statistics.median(times)
         out["restore_gib_s"] = out["state_gib"] / out["restore_s"]
         out["restore_gib_s_best"] = out["state_gib"] / min(times)
+
+        from jaxtron.checkpoint.integrity import verify_path
+        t0 = time.perf_counter()
+        problems, _ = verify_path(os.path.join(ckpt_dir, "1"))
+        assert not problems, problems
+        out["verify_s"] = time.perf_counter() - t0
+        out["verify_gib_s"] = out["state_gib"] / out["verify_s"]
 
         other = _setup(args.overrides, MIXED)
         times = []

@@ -21,7 +21,7 @@ from jaxtron.checkpoint import shards
 
 class ShardedArraysHandler(ocp.AsyncCheckpointHandler):
     async def async_save(self, directory: epath.Path, args: "ShardedSave") -> Optional[List[ocp_future.Future]]:
-        pending = shards.start_save(args.tree)
+        pending = shards.start_save(args.tree, args.check_finite)
 
         async def commit():
             await asyncio.to_thread(pending.write, str(directory))
@@ -51,6 +51,7 @@ class ShardedArraysHandler(ocp.AsyncCheckpointHandler):
 @dataclasses.dataclass
 class ShardedSave(ocp.args.CheckpointArgs):
     tree: Any
+    check_finite: bool = True  # refuse (NonFiniteStateError, before writing) a tree holding NaN or Inf
 
 
 @ocp.args.register_with_handler(ShardedArraysHandler, for_restore=True)

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 
 from jaxtron import config as config_lib
-from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params
+from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params, nonfinite_leaves
+from jaxtron.checkpoint.manager import CheckpointMismatch
 
 log = logging.getLogger("jaxtron")
 
@@ -35,17 +36,23 @@ class TrainerCheckpoints:
             log.info("continuing from this trainer's state at step %d", self.step_count)
             return self.step_count
         steps = ckpt.all_steps() if (ckpt is not None and c.resume) else []
-        for i, step in enumerate(reversed(steps)):
+        set_aside = []
+        for step in reversed(steps):
             try:
                 t0 = time.perf_counter()
-                self.state, self.meta = ckpt.restore(step, self.spec.abstract_state)
+                self.state, self.meta = self._restore_checked(ckpt, step)
             except CheckpointError as err:
-                if not c.fallback:
+                if not c.fallback or isinstance(err, CheckpointMismatch):  # an older step would not fit either
                     raise CheckpointError(f"{err}. Set checkpoint.fallback=true to resume from the previous "
                                           f"checkpoint instead, or move {ckpt.step_dir(step)} away") from None
-                log.warning("%s; falling back to the previous checkpoint (checkpoint.fallback=true)", err)
+                moved = ckpt.set_aside(step, "corrupt")  # never restored again, nor counted by retention
+                set_aside.append(step)
+                log.warning("%s; moved it to %s and falling back to the previous checkpoint "
+                            "(checkpoint.fallback=true)", err, moved)
                 continue
             log.info("resumed from %s (step %d) in %.1f s", ckpt.step_dir(step), step, time.perf_counter() - t0)
+            if set_aside:  # retention must never delete the step this run fell back to
+                ckpt.protect(step)
             self._step_count = step
             self._check_resumed_data()
             self._restore_skipped()
@@ -63,6 +70,16 @@ class TrainerCheckpoints:
         else:
             self.state  # noqa: B018  (initialize)
         return 0
+
+    def _restore_checked(self, ckpt: Checkpointer, step: int) -> tuple[dict, dict]:
+        """Restore ``step`` (checksums verified by the reader) and check that the state is finite."""
+        state, meta = ckpt.restore(step, self.spec.abstract_state)
+        bad = nonfinite_leaves({"params": state["params"], "opt_state": state["opt_state"]})
+        if bad:
+            ckpt.good.discard(step)
+            raise CheckpointError(f"checkpoint step {step} in {ckpt.directory}: non-finite values (NaN or Inf) in "
+                                  f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
+        return state, meta
 
     def _restore_skipped(self) -> None:
         self.skipped = {k: int(self.meta.get(k, 0)) for k in ("skipped_total", "skipped_in_a_row")}
@@ -82,24 +99,41 @@ class TrainerCheckpoints:
                 "seq_len": d.seq_len, "seed": t.seed, "global_batch_size": t.global_batch_size,
                 "num_samples": t.steps * t.global_batch_size}  # the sample shuffle depends on it, as Megatron's
 
-    def _save(self, ckpt: Optional[Checkpointer], step: int) -> None:
+    def _save(self, ckpt: Optional[Checkpointer], step: int) -> bool:
+        """Start a save (see :meth:`Checkpointer.save`); False when it was not started or was refused."""
         if ckpt is None:
-            return
+            return False
         t0 = time.perf_counter()
-        ckpt.save(step, self.state, {"data": self._data_state(step), **self.skipped,
-                                     "config": config_lib.to_yaml(self.cfg)})
-        log.info("checkpoint step %d: save started, blocked %.3f s", step, time.perf_counter() - t0)
+        started = ckpt.save(step, self.state, {"data": self._data_state(step), **self.skipped,
+                                               "config": config_lib.to_yaml(self.cfg)})
+        if started:
+            log.info("checkpoint step %d: save started, blocked %.3f s", step, time.perf_counter() - t0)
+        return started
+
+    def _saved_note(self, ckpt: Optional[Checkpointer], step: int) -> str:
+        """Where the state of ``step`` went, for a message (waits for the save)."""
+        if ckpt is None:
+            return ""
+        ckpt.wait()
+        if step in ckpt.refused:
+            newest = ckpt.newest_good() or ckpt.latest_step()
+            return (f"; the state was not saved ({ckpt.refused[step]})" +
+                    (f", the newest checkpoint is {ckpt.step_dir(newest)}" if newest is not None else ""))
+        return f"; the state is saved in {ckpt.step_dir(step)}"
 
     def save(self, directory: Optional[str] = None) -> str:
         """Save the current state as a checkpoint of step ``state["step"]`` in ``directory`` (default:
         ``checkpoint.dir``, i.e. ``<train.output_dir>/checkpoints``) and wait until it is complete; returns the
         step directory. ``train()``, ``restore()``, ``jaxtron.load_model`` and ``export_hf`` read it. Old
-        checkpoints are pruned as ``checkpoint.keep``/``keep_every`` say."""
+        checkpoints are pruned as ``checkpoint.keep``/``keep_every`` say. A state with NaN or Inf is not saved
+        (:class:`~jaxtron.checkpoint.CheckpointError`)."""
         c = self.cfg.checkpoint
         ckpt = Checkpointer(directory or config_lib.checkpoint_dir(self.cfg), keep=c.keep, keep_every=c.keep_every,
                             async_save=False)
         try:
             self._save(ckpt, self.step_count)
+            if self.step_count in ckpt.refused:
+                raise CheckpointError(f"checkpoint step {self.step_count} not saved: {ckpt.refused[self.step_count]}")
             return ckpt.step_dir(self.step_count)
         finally:
             ckpt.close()
@@ -120,7 +154,7 @@ class TrainerCheckpoints:
                 step = steps[-1]
             elif step not in steps:
                 raise CheckpointError(f"{ckpt.directory}: no checkpoint of step {step} (steps: {steps})")
-            self.state, self.meta = ckpt.restore(step, self.spec.abstract_state)
+            self.state, self.meta = self._restore_checked(ckpt, step)
         finally:
             ckpt.close()
         self._restore_skipped()

@@ -122,7 +122,7 @@ class TrainerLoop:
                         raise TrainingAborted(
                             f"stopped at step {done}: {skipped['skipped_in_a_row']} steps in a row had a non-finite "
                             f"loss or gradient norm (train.max_skipped_steps={t.max_skipped_steps})"
-                            + (f"; the state is saved in {ckpt.step_dir(done)}" if ckpt else ""))
+                            + self._saved_note(ckpt, done))
                     if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                         loss = self.evaluate(data)
                         result.eval_losses.append((done, loss))
