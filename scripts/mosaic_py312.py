@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 
@@ -215,16 +216,15 @@ def run_tests(env: str, extra: list[str] = (), timeout: float = TEST_TIMEOUT_S) 
     """Exit code (124 on timeout), combined output and seconds of the pytest run in the cached environment."""
     cmd = [env_python(env), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
            "-o", "faulthandler_timeout=300", *TEST_FILES, "-k", SELECTION, *extra]
-    log_path = os.path.join(env, "last-run.log")
     start = time.monotonic()
-    with open(log_path, "w") as out:
+    with tempfile.TemporaryFile("w+") as out:       # a file, not a pipe: what a killed run printed is kept
         try:
             rc = subprocess.run(cmd, cwd=REPO, env=test_env(), stdout=out, stderr=subprocess.STDOUT,
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    with open(log_path) as f:
-        output = f.read()
+        out.seek(0)
+        output = out.read()
     if rc == 124:
         output += f"\n[mosaic_py312] pytest killed after {timeout:.0f} s\n"
     return rc, output, time.monotonic() - start
