@@ -1,7 +1,8 @@
 """python -m jaxtron.plan: per-device state bytes and FSDP collective bytes against closed forms, the fit verdict
 against the compiled memory analysis, and --search only recommending layouts that fit. CPU-compiler tests run
 in-process on the 8 virtual CPU devices; XLA:GPU tests run the CLI in a subprocess (skipped when
-jax-cuda12-plugin does not match jax)."""
+jax-cuda12-plugin does not match jax). Without the plugin the CLI says so in one line (no silent CPU fallback),
+as it does for bad arguments."""
 
 import json
 import os
@@ -149,14 +150,48 @@ def test_search_never_recommends_a_layout_that_does_not_fit():
     assert any("pipeline" in n for n in out["notes"])
 
 
-def test_falls_back_to_the_cpu_compiler_with_a_note(monkeypatch):
+def test_no_silent_cpu_fallback_without_the_plugin(monkeypatch):
     import jaxtron.plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "cuda_plugin_matches", lambda: False)
-    devices, backend, notes = plan_mod.target_devices(get_gpu("h100"), 8, "auto")
-    assert backend == "cpu" and len(devices) == 8 and "CPU compiler" in notes[0]
-    with pytest.raises(RuntimeError):
-        plan_mod.target_devices(get_gpu("h100"), 8, "gpu")
+    for backend in ("auto", "gpu"):
+        with pytest.raises(plan_mod.CompilerUnavailable, match=r'pip install -e "\.\[plan\]"'):
+            plan_mod.target_devices(get_gpu("h100"), 8, backend)
+    devices, backend, notes = plan_mod.target_devices(get_gpu("h100"), 8, "cpu")  # only when asked for
+    assert backend == "cpu" and len(devices) == 8 and "indicative only" in notes[0]
+
+
+def _main(capsys, monkeypatch, *argv):
+    from jaxtron.plan.__main__ import main
+
+    monkeypatch.setenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # main sets it; restored after the test
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_without_the_plugin_says_so_in_one_line(capsys, monkeypatch):
+    import jaxtron.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "cuda_plugin_matches", lambda: False)
+    rc, out, err = _main(capsys, monkeypatch, *SMALL[:2], "--num-gpus", "8", *SMALL[2:])  # overrides both sides
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("error: the planner needs the XLA:GPU compiler") and '.[plan]' in err
+    assert "--backend cpu" in err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--num-gpus", "0"], "error: --num-gpus: must be >= 1, got 0"),
+    (["--num-gpus", "eight"], "error: argument --num-gpus: invalid int value: 'eight'"),
+    (["--mem-fraction", "1.5"], "error: --mem-fraction: must be in (0, 1], got 1.5"),
+    (["--backend", "tpu"], "error: argument --backend: invalid choice"),
+])
+def test_cli_argument_errors_are_one_line(capsys, monkeypatch, argv, expected):
+    rc, out, err = _main(capsys, monkeypatch, *argv)
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith(expected), err
 
 
 def test_roofline_is_sane():

@@ -1,4 +1,9 @@
-"""Optimizer schedules and masks, the loss, and the FLOPs formula."""
+"""Optimizer schedules and masks, the loss, the FLOPs formula, metrics rows and log lines."""
+
+import json
+import logging
+import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -80,3 +85,87 @@ def test_peak_table():
     assert device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert device_peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert device_peak_tflops("cpu") is None
+
+
+# ------------------------------------------------------------------------------ metrics rows and log lines
+
+
+def _strict(line):
+    def no_constant(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(line, parse_constant=no_constant)
+
+
+def test_metrics_rows_are_strict_json_and_a_resume_drops_the_rows_it_redoes(tmp_path):
+    from jaxtron.train.metrics import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path), 6, tensorboard=False, progress=True)  # not a TTY here: no bar
+    assert not w.has_bar
+    w.write(0, {"eval_loss": 5.5})
+    for step in range(1, 5):
+        w.write(step, {"loss": float("nan") if step == 2 else 1.0 / step, "grad_norm": float("inf"),
+                       "consumed_samples": 8 * step})
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # cut short by a crash
+    rows = [_strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()[:-1]]
+    assert rows[2]["loss"] is None and rows[2]["grad_norm"] is None and rows[1]["loss"] == 1.0
+    assert rows[1]["consumed_samples"] == 8 and isinstance(rows[1]["time"], float)
+    assert rows[1]["timestamp"].startswith(time.strftime("%Y", time.gmtime()))
+    w = MetricsWriter(str(tmp_path), 6, tensorboard=False, progress=False, start_step=2)  # resumed from step 2
+    w.write(3, {"loss": 0.5})
+    w.close()
+    rows = [_strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[-1]["loss"] == 0.5
+    MetricsWriter(str(tmp_path), 6, tensorboard=False, progress=False, start_step=0).close()  # a fresh start
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_log_line_and_device_memory():
+    from jaxtron.train.metrics import device_memory, log_line
+
+    class Dev:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    assert device_memory([Dev(None)]) == {}  # CPU
+    mem = device_memory([Dev({"bytes_in_use": 2 * 2**30, "peak_bytes_in_use": 3 * 2**30}),
+                         Dev({"bytes_in_use": 2**30, "peak_bytes_in_use": 4 * 2**30})])
+    assert mem == {"memory_gib": 2.0, "memory_peak_gib": 4.0}
+    r = {"loss": 2.43125, "grad_norm": 0.8134, "lr": 2.96e-4, "step_time_s": 0.199, "tokens_per_s": 41200.0,
+         "tokens_per_s_per_device": 5150.0, "tflops_per_device": 397.0, "mfu": 0.401, "mfu_causal": 0.369,
+         "skipped_steps": 0, **mem}
+    assert log_line(20, 200, r) == (
+        "step 20/200 | loss 2.4312 | grad norm 0.813 | lr 2.960e-04 | 199 ms/step | 41200 tokens/s (5150 per "
+        "device) | 397 TFLOP/s per device | MFU 40.1% full attention (36.9% causal) | memory 2.00 GiB (peak 4.00) "
+        "| skipped 0")
+    cpu = log_line(3, 5, {**r, "loss": None, "mfu": None, "mfu_causal": None, "memory_gib": None})
+    assert "loss nan" in cpu and "MFU" not in cpu and "memory" not in cpu
+
+
+def test_exit_after_fields_are_validated():
+    with pytest.raises(config_lib.ConfigError, match="train.exit_after_steps"):
+        config_lib.load(None, ["train.exit_after_steps=-1"])
+    with pytest.raises(config_lib.ConfigError, match="train.exit_after_minutes: needs checkpoint.enabled"):
+        config_lib.load(None, ["train.exit_after_minutes=5", "checkpoint.enabled=false"])
+    assert config_lib.load(None, ["train.exit_after_steps=0", "checkpoint.enabled=false"]).train.exit_after_steps == 0
+
+
+def test_a_resume_that_changes_train_steps_warns(caplog, monkeypatch):
+    from jaxtron.train.training import TrainerLoop
+
+    cfg = config_lib.load(None, ["train.steps=50"])
+    before = config_lib.to_yaml(config_lib.load(None, ["train.steps=30"]))
+    logger = logging.getLogger("jaxtron")
+    monkeypatch.setattr(logger, "propagate", False)  # as after setup_logging: caplog's handler on it alone
+    logger.addHandler(caplog.handler)
+    try:
+        TrainerLoop._warn_changed_steps(SimpleNamespace(cfg=cfg, meta={"config": before}), 20)
+        TrainerLoop._warn_changed_steps(SimpleNamespace(cfg=cfg, meta={"config": config_lib.to_yaml(cfg)}), 20)
+    finally:
+        logger.removeHandler(caplog.handler)
+    warnings = [r.getMessage() for r in caplog.records if "train.steps changed" in r.getMessage()]
+    assert len(warnings) == 1 and "(30 -> 50)" in warnings[0]

@@ -151,6 +151,14 @@ class TrainConfig:
                                         "instead of waiting forever.")
     max_skipped_steps: int = _f(10, "A step whose loss or gradient norm is not finite is skipped (no update); "
                                     "after this many in a row the run saves a checkpoint and stops.")
+    exit_after_steps: Optional[int] = _f(None, "Stop with a checkpoint after this many steps in this process "
+                                               "(0 or null: off); the learning-rate schedule still runs to "
+                                               "steps and the next start resumes (Megatron's --exit-interval).")
+    exit_after_minutes: Optional[float] = _f(None, "Stop with a checkpoint at the first step after this many "
+                                                   "minutes of wall time since train() began (0 or null: off), "
+                                                   "e.g. before a SLURM time limit; the schedule is unchanged "
+                                                   "and the next start resumes (Megatron's "
+                                                   "--exit-duration-in-mins).")
 
 
 @dataclass

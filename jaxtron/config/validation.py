@@ -121,6 +121,11 @@ def _validate_run(cfg: Config) -> None:
           f"must be >= 0, got {dd.process_id}")
     check(dd.initialization_timeout_s >= 1, "distributed.initialization_timeout_s", "must be >= 1")
     check(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
+    for name in ("exit_after_steps", "exit_after_minutes"):
+        v = getattr(t, name)
+        check(v is None or v >= 0, f"train.{name}", f"must be >= 0 (0 or null: off), got {v}")
+        check(not v or c.enabled, f"train.{name}", "needs checkpoint.enabled=true (the next run resumes from the "
+                                                   "checkpoint it saves)")
     _positive(cfg, "logging.log_every")
     check(cfg.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level",
           f"{cfg.logging.level!r} is not a logging level")

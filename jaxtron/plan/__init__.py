@@ -4,9 +4,10 @@ Compiles the real train step ahead of time for N GPUs of a given kind (nothing i
 device memory (the compiler's own memory analysis), FLOPs, the bytes each kind of collective moves (read from
 the optimized HLO) and a roofline prediction of step time and MFU. With ``--search`` it tries layouts.
 
-The XLA:GPU compiler is used when ``jax-cuda12-plugin`` of the installed jax version is present (no GPU is
-needed: the target is described by ``gpus/<name>.txtpb``); otherwise the CPU compiler compiles the same program
-on N virtual CPU devices, whose memory figures are only indicative (a different scheduler and fusion).
+The XLA:GPU compiler is used, from ``jax-cuda12-plugin`` of the installed jax version (``pip install -e
+".[plan]"``; no GPU is needed: the target is described by ``gpus/<name>.txtpb``); without it the planner stops
+with :class:`CompilerUnavailable`. ``backend="cpu"`` compiles the same program with the CPU compiler on N
+virtual CPU devices instead, whose memory figures are only indicative (a different scheduler and fusion).
 """
 
 from __future__ import annotations
@@ -27,16 +28,27 @@ from jaxtron.plan import hlo
 from jaxtron.plan import model as pm
 from jaxtron.plan.gpus import GPUS, GpuSpec, get_gpu
 
-__all__ = ["plan", "search", "target_devices", "prepare_config", "GpuSpec", "GPUS", "get_gpu"]
+__all__ = ["plan", "search", "target_devices", "CompilerUnavailable", "prepare_config", "GpuSpec", "GPUS", "get_gpu"]
 
 PIPELINE_NOTE = "parallel.stage stays 1: the planner does not model pipeline stages yet"
 
 
-def cuda_plugin_matches() -> bool:
+INSTALL = 'pip install -e ".[plan]"'
+
+
+class CompilerUnavailable(RuntimeError):
+    """The XLA:GPU compiler cannot be used here (no matching ``jax-cuda12-plugin``, or no topology)."""
+
+
+def cuda_plugin_version() -> Optional[str]:
     try:
-        return importlib.metadata.version("jax-cuda12-plugin") == jax.__version__
+        return importlib.metadata.version("jax-cuda12-plugin")
     except importlib.metadata.PackageNotFoundError:
-        return False
+        return None
+
+
+def cuda_plugin_matches() -> bool:
+    return cuda_plugin_version() == jax.__version__
 
 
 def topology_string(num_gpus: int, gpus_per_node: int) -> str:
@@ -49,37 +61,34 @@ def topology_string(num_gpus: int, gpus_per_node: int) -> str:
 
 
 def target_devices(gpu: GpuSpec, num_gpus: int, backend: str = "auto") -> tuple[list, str, list[str]]:
-    """(devices, 'gpu' or 'cpu', notes). 'gpu': abstract XLA:GPU devices from the GPU's target config."""
-    notes = []
+    """(devices, 'gpu' or 'cpu', notes). 'gpu' (and 'auto'): abstract XLA:GPU devices from the GPU's target
+    config, or :class:`CompilerUnavailable` saying how to install the compiler; 'cpu': N CPU devices and a note
+    that the memory figures are indicative only. There is no silent fallback to the CPU compiler."""
     if backend in ("auto", "gpu"):
-        why = None
         if not cuda_plugin_matches():
-            try:
-                v = importlib.metadata.version("jax-cuda12-plugin")
-            except importlib.metadata.PackageNotFoundError:
-                v = None
-            why = f"jax-cuda12-plugin {v} does not match jax {jax.__version__}"
-        else:
-            try:
-                from jax.experimental import topologies
+            v = cuda_plugin_version()
+            have = f"jax-cuda12-plugin {v} does not match jax {jax.__version__}" if v else \
+                "jax-cuda12-plugin is not installed"
+            raise CompilerUnavailable(
+                f"the planner needs the XLA:GPU compiler ({have}): install it with {INSTALL} (or pip install "
+                f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}); --backend cpu gives "
+                "indicative CPU-compiler figures instead")
+        shape = topology_string(num_gpus, gpu.gpus_per_node)
+        try:
+            from jax.experimental import topologies
 
-                topo = topologies.get_topology_desc(platform="cuda",
-                                                    topology=topology_string(num_gpus, gpu.gpus_per_node),
-                                                    target_config=gpu.target_config())
-                return list(topo.devices), "gpu", notes
-            except Exception as err:  # noqa: BLE001 - reported as a note
-                why = f"XLA:GPU topology unavailable ({str(err).splitlines()[0][:200]}); is " \
-                      f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax is imported?"
-        if backend == "gpu":
-            raise RuntimeError(why)
-        notes.append(f"NOTE: {why}: compiled with the CPU compiler on {num_gpus} virtual devices instead; "
-                     "memory figures are indicative only (CPU scheduling and fusion differ from XLA:GPU)")
-    else:
-        notes.append(f"NOTE: compiled with the CPU compiler on {num_gpus} virtual devices (--backend cpu); memory "
-                     "figures are indicative only (CPU scheduling and fusion differ from XLA:GPU)")
+            topo = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=gpu.target_config())
+            return list(topo.devices), "gpu", []
+        except Exception as err:  # noqa: BLE001 - one line
+            raise CompilerUnavailable(
+                f"XLA:GPU topology unavailable ({str(err).splitlines()[0][:200]}); is "
+                "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax is imported? (python -m jaxtron.plan sets it)"
+            ) from None
+    notes = [f"compiled with the CPU compiler on {num_gpus} virtual devices (--backend cpu); memory "
+             "figures are indicative only (CPU scheduling and fusion differ from XLA:GPU)"]
     cpus = jax.devices("cpu")
     if len(cpus) < num_gpus:
-        raise RuntimeError(f"the CPU fallback needs {num_gpus} CPU devices, this process has {len(cpus)}: set "
+        raise RuntimeError(f"the CPU compiler needs {num_gpus} CPU devices, this process has {len(cpus)}: set "
                            f"XLA_FLAGS=--xla_force_host_platform_device_count={num_gpus} before jax starts "
                            "(python -m jaxtron.plan does this)")
     return cpus[:num_gpus], "cpu", notes

@@ -12,14 +12,20 @@ import os
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every other error of the planner
+        self.exit(2, f"error: {message} (python -m jaxtron.plan --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxtron.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m jaxtron.plan", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="preset name or YAML path (default: tiny)")
     p.add_argument("--gpu", default="h100", help="h100, h200 or a100_80gb (default h100)")
     p.add_argument("--num-gpus", type=int, default=8)
     p.add_argument("--backend", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="compiler: XLA:GPU (needs jax-cuda12-plugin == jax), CPU, or auto (GPU when possible)")
+                   help='compiler: XLA:GPU (auto, gpu; needs pip install -e ".[plan]") or cpu (the CPU compiler on '
+                        'N virtual devices: memory figures indicative only)')
     p.add_argument("--search", action="store_true", help="try layouts and print the 5 fastest that fit")
     p.add_argument("--max-compiles", type=int, default=12, help="--search: compile at most this many layouts")
     p.add_argument("--top", type=int, default=5)
@@ -103,18 +109,43 @@ def _print_search(s: dict) -> None:
         print(f"note: {n}")
 
 
+def _bad_argument(args) -> str | None:
+    """The first out-of-range argument, as a message (None: all fine)."""
+    for name in ("num_gpus", "max_compiles", "top", "gpus_per_node"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            return f"--{name.replace('_', '-')}: must be >= 1, got {v}"
+    for name in ("peak_tflops", "hbm_gbps", "nvlink_gbps", "net_gbps", "collective_latency_us"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            return f"--{name.replace('_', '-')}: must be > 0, got {v}"
+    for name in ("compute_efficiency", "comm_efficiency", "mem_fraction"):
+        v = getattr(args, name)
+        if v is not None and not 0 < v <= 1:
+            return f"--{name.replace('_', '-')}: must be in (0, 1], got {v}"
+    return None
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # overrides on both sides of the options
+    bad = _bad_argument(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     # Before jax is imported: let the CUDA plugin load without CUDA libraries (XLA:GPU cross-compile), and give
-    # the CPU fallback as many virtual devices as GPUs.
+    # --backend cpu as many virtual devices as GPUs.
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
+    if args.backend == "cpu" and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.num_gpus}".strip()
     # A caller's JAX_PLATFORMS=cpu is fine: the XLA:GPU compile uses a topology description, not a GPU client.
     import jax
 
-    jax.config.update("jax_num_cpu_devices", max(args.num_gpus, 1))
+    if args.backend == "cpu":
+        try:
+            jax.config.update("jax_num_cpu_devices", args.num_gpus)
+        except RuntimeError:  # already initialized (called from Python): target_devices says what is missing
+            pass
     from jaxtron import config as config_lib
     from jaxtron.plan import plan, search
     from jaxtron.plan.gpus import get_gpu

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
         epilog=_help_epilog())
     parser.add_argument("--config", default=None, help="a preset name (tiny, llama3_8b, ...) or a YAML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=8 train.steps=100")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = config_lib.load(args.config, args.overrides)
         from jaxtron.parallel.distributed import initialize

@@ -10,12 +10,13 @@ from typing import Optional
 
 import jax
 import numpy as np
+import yaml
 
 from jaxtron.checkpoint import Checkpointer
 from jaxtron.data.loader import batch_stream, put_local_batch
 from jaxtron.train.callbacks import TrainingAborted, TrainResult
 from jaxtron.train.flops import flops_per_token
-from jaxtron.train.metrics import MetricsWriter
+from jaxtron.train.metrics import MetricsWriter, device_memory, log_line
 from jaxtron.train.preemption import StopSignals
 
 log = logging.getLogger("jaxtron")
@@ -58,7 +59,9 @@ class TrainerLoop:
         cfg = self.cfg
         t = cfg.train
         self._stop_reason = None
+        began = time.monotonic()  # train.exit_after_minutes counts from here
         start = self._restore_or_init(ckpt)
+        self._warn_changed_steps(start)
         result = TrainResult(steps=t.steps, start_step=start, final_step=start)
         skipped = self.skipped
         result.skipped_steps = skipped["skipped_total"]
@@ -68,7 +71,6 @@ class TrainerLoop:
             return result
         self._check_kernels()
         data = self.data
-        tokens_per_step = t.global_batch_size * cfg.data.seq_len
         fpt = {c: flops_per_token(cfg.model, cfg.data.seq_len, c) for c in ("full", "causal")}
 
         stream = batch_stream(data, t.global_batch_size, start, t.steps)
@@ -80,6 +82,9 @@ class TrainerLoop:
                  self.num_devices, self.layout.describe())
 
         writer = MetricsWriter(t.output_dir, t.steps, cfg.logging.tensorboard, cfg.logging.progress, start)
+        if writer.dropped:
+            log.info("metrics.jsonl: dropped %d row(s) after step %d that this run writes again", writer.dropped,
+                     start)
         try:
             for cb in self.callbacks:
                 cb.on_train_begin(start, self)
@@ -89,7 +94,7 @@ class TrainerLoop:
                 log.info("step 0: held-out loss %.4f", result.initial_eval_loss)
             window_start, window_steps = time.perf_counter(), 0
             batch = first
-            with StopSignals() as signals:
+            with StopSignals() as signals, writer.logging_around_bar():
                 for step in range(start, t.steps):
                     metrics = self.step(batch)
                     done = step + 1
@@ -108,14 +113,8 @@ class TrainerLoop:
                     window_steps += 1
                     writer.advance()
                     if done % cfg.logging.log_every == 0 or done == t.steps:
-                        m = jax.device_get(metrics)
                         step_time = (time.perf_counter() - window_start) / window_steps
-                        record = self._throughput(m, step_time, tokens_per_step, fpt)
-                        record["skipped_steps"] = skipped["skipped_total"]
-                        for cb in self.callbacks:
-                            cb.on_log(done, record, self)
-                        result.losses.append((done, float(m["loss"])))
-                        writer.write(done, record)
+                        self._log_step(done, jax.device_get(metrics), step_time, fpt, writer, result)
                         window_start, window_steps = time.perf_counter(), 0
                     if skipped["skipped_in_a_row"] >= t.max_skipped_steps:
                         self._save(ckpt, done)
@@ -131,7 +130,7 @@ class TrainerLoop:
                         for cb in self.callbacks:
                             cb.on_eval(done, {"eval_loss": loss}, self)
                         window_start, window_steps = time.perf_counter(), 0
-                    stop = signals.received or self._stop_reason
+                    stop = signals.received or self._stop_reason or self._exit_due(done, start, began)
                     if _agree(stop is not None):
                         result.stopped_by = stop or "a stop on another process"
                         self._save(ckpt, done)
@@ -149,6 +148,47 @@ class TrainerLoop:
         for cb in self.callbacks:
             cb.on_train_end(result.final_step, result, self)
         return result
+
+    def _log_step(self, done: int, m: dict, step_time: float, fpt: dict, writer: MetricsWriter,
+                  result: TrainResult) -> None:
+        """The metrics of log step ``done``: callbacks, ``metrics.jsonl``/TensorBoard and one log line."""
+        t = self.cfg.train
+        record = self._throughput(m, step_time, t.global_batch_size * self.cfg.data.seq_len, fpt)
+        record["consumed_samples"] = done * t.global_batch_size
+        record["consumed_tokens"] = done * t.global_batch_size * self.cfg.data.seq_len
+        record.update(device_memory([d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]))
+        record["skipped_steps"] = self.skipped["skipped_total"]
+        for cb in self.callbacks:
+            cb.on_log(done, record, self)
+        result.losses.append((done, float(m["loss"])))
+        writer.write(done, record)
+        log.info("%s", log_line(done, t.steps, record))
+
+    def _exit_due(self, done: int, start: int, began: float) -> Optional[str]:
+        """Why the run stops here by ``train.exit_after_steps``/``exit_after_minutes`` (None: it does not)."""
+        t = self.cfg.train
+        if done >= t.steps:
+            return None
+        if t.exit_after_steps and done - start >= t.exit_after_steps:
+            return f"train.exit_after_steps={t.exit_after_steps}"
+        if t.exit_after_minutes and time.monotonic() - began >= 60.0 * t.exit_after_minutes:
+            return f"train.exit_after_minutes={t.exit_after_minutes:g}"
+        return None
+
+    def _warn_changed_steps(self, start: int) -> None:
+        """A resume with another ``train.steps`` than the checkpoint's run changes the learning-rate schedule."""
+        saved = self.meta.get("config") if start else None
+        if not saved:
+            return
+        try:
+            before = int(yaml.safe_load(saved)["train"]["steps"])
+        except (yaml.YAMLError, KeyError, TypeError, ValueError):
+            return
+        if before != self.cfg.train.steps:
+            log.warning("train.steps changed since the checkpoint (%d -> %d): the learning-rate schedule "
+                        "(optim.schedule=%s) now differs from the one steps 1-%d followed; to stop a run early "
+                        "without changing it use train.exit_after_steps or train.exit_after_minutes",
+                        before, self.cfg.train.steps, self.cfg.optim.schedule, start)
 
     def _throughput(self, m: dict, step_time: float, tokens_per_step: int, fpt: dict) -> dict:
         tps = tokens_per_step / step_time
