@@ -1,24 +1,39 @@
-"""``python -m jaxtron.train`` end to end on the built-in corpus: metrics, TensorBoard, the loss falls."""
+"""``python -m jaxtron.train`` end to end on the built-in corpus: a log line per log step, strict-JSON metrics,
+TensorBoard, the loss falls."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 
 from helpers import tiny_config
+from jaxtron import config as config_lib
 from jaxtron.data import BuiltinCorpus
+
+
+def _strict_json(line):
+    def no_constant(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(line, parse_constant=no_constant)
 
 
 def test_cli_trains_and_writes_metrics(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jaxtron.train", "train.steps=40", "logging.log_every=10", "train.eval_every=20",
-           "model.num_layers=2", f"train.output_dir={out}", "logging.progress=false"]
+    # overrides on both sides of --config; logging.progress stays true: stderr is not a terminal, so no bar
+    cmd = [sys.executable, "-m", "jaxtron.train", "train.steps=40", "logging.log_every=10", "--config", "tiny",
+           "train.eval_every=20", "model.num_layers=2", f"train.output_dir={out}"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "\r" not in proc.stderr  # no progress-bar frames in a log file
+    lines = re.findall(r"jaxtron: step (\d+)/40 \| loss \d+\.\d+ \| grad norm .* \| (\d+) tokens/s \((\d+) per "
+                       r"device\) \| .* TFLOP/s per device \| skipped 0$", proc.stderr, re.M)
+    assert [int(step) for step, _, _ in lines] == [10, 20, 30, 40], proc.stderr[-3000:]
+    assert all(abs(int(tps) - 2 * int(per_dev)) <= 2 for _, tps, per_dev in lines)  # 2 devices
+    records = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in train] == [10, 20, 30, 40]
@@ -26,6 +41,11 @@ def test_cli_trains_and_writes_metrics(tmp_path):
                 "mfu", "mfu_causal"):
         assert key in train[-1]
     assert train[-1]["tokens_per_s"] > 0 and train[-1]["tflops_per_device"] > train[-1]["tflops_per_device_causal"]
+    cfg = config_lib.load("tiny")
+    assert train[-1]["consumed_samples"] == 40 * cfg.train.global_batch_size
+    assert train[-1]["consumed_tokens"] == 40 * cfg.train.global_batch_size * cfg.data.seq_len
+    assert all(r["time"] > 1.6e9 and "T" in r["timestamp"] for r in records)
+    assert train[0]["time"] <= train[-1]["time"] and "memory_gib" not in train[-1]  # none on CPU
     assert [r["step"] for r in evals] == [0, 20, 40]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.0  # byte-level: 5.5 nats at init
     assert os.listdir(out / "tensorboard")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import math
 import os
 import sys
@@ -20,6 +21,7 @@ from typing import Optional
 import jax
 import numpy as np
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 GIB = 2.0 ** 30
 
@@ -114,6 +116,7 @@ class MetricsWriter:
         self._file = None
         self._tb = None
         self._bar: Optional[tqdm] = None
+        self._redirect = contextlib.ExitStack()
         self.dropped = 0
         if not self.enabled:
             return
@@ -127,18 +130,12 @@ class MetricsWriter:
                                      purge_step=start_step + 1 if start_step else 0)
         if progress and sys.stderr.isatty():  # no carriage-return frames in log files
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # until close(), jaxtron's log lines go above the bar instead of through it
+            self._redirect.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger("jaxtron")]))
 
     @property
     def has_bar(self) -> bool:
         return self._bar is not None
-
-    def logging_around_bar(self):
-        """A context in which log lines go above the progress bar instead of through it."""
-        if self._bar is None:
-            return contextlib.nullcontext()
-        from tqdm.contrib.logging import logging_redirect_tqdm
-        import logging
-        return logging_redirect_tqdm(loggers=[logging.getLogger("jaxtron")])
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -153,13 +150,15 @@ class MetricsWriter:
                 if v is not None and not isinstance(v, str):
                     self._tb.add_scalar(k, float(v), step)
         if self._bar is not None and "loss" in metrics:
-            self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+            self._bar.set_postfix(loss=f"{record['loss'] if record['loss'] is not None else float('nan'):.4f}",
+                                  refresh=False)
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(n)
 
     def close(self) -> None:
+        self._redirect.close()
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:

@@ -94,7 +94,7 @@ class TrainerLoop:
                 log.info("step 0: held-out loss %.4f", result.initial_eval_loss)
             window_start, window_steps = time.perf_counter(), 0
             batch = first
-            with StopSignals() as signals, writer.logging_around_bar():
+            with StopSignals() as signals:
                 for step in range(start, t.steps):
                     metrics = self.step(batch)
                     done = step + 1
