@@ -169,3 +169,19 @@ def test_a_resume_that_changes_train_steps_warns(caplog, monkeypatch):
         logger.removeHandler(caplog.handler)
     warnings = [r.getMessage() for r in caplog.records if "train.steps changed" in r.getMessage()]
     assert len(warnings) == 1 and "(30 -> 50)" in warnings[0]
+
+
+def test_exit_after_steps_and_minutes():
+    from jaxtron.train.training import TrainerLoop
+
+    def due(done, start, began, **train):
+        cfg = config_lib.load(None, ["train.steps=10", *(f"train.{k}={v}" for k, v in train.items())])
+        return TrainerLoop._exit_due(SimpleNamespace(cfg=cfg), done, start, began)
+
+    now = time.monotonic()
+    assert due(5, 2, now) is None and due(5, 2, now, exit_after_steps=0) is None
+    assert due(4, 2, now, exit_after_steps=3) is None
+    assert due(5, 2, now, exit_after_steps=3) == "train.exit_after_steps=3"
+    assert due(10, 2, now, exit_after_steps=3) is None  # the last step ends the run anyway
+    assert due(3, 2, now, exit_after_minutes=1) is None
+    assert due(3, 2, now - 61, exit_after_minutes=1) == "train.exit_after_minutes=1"

@@ -177,7 +177,7 @@ class TrainerLoop:
 
     def _warn_changed_steps(self, start: int) -> None:
         """A resume with another ``train.steps`` than the checkpoint's run changes the learning-rate schedule."""
-        saved = self.meta.get("config") if start else None
+        saved = self.meta.get("config") if start and jax.process_index() == 0 else None  # one copy
         if not saved:
             return
         try:
