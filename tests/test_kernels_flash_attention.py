@@ -31,6 +31,7 @@ from pallas_kernels.segments import block_spans, id_spans
 
 # The package exports the function `flash_attention`, which shadows the submodule attribute of the same name.
 fa_mod = importlib.import_module("pallas_kernels.flash_attention")
+tri_mod = importlib.import_module("pallas_kernels.flash_attention_triton")  # its Triton kernels
 
 TRITON = "__gpu$xla.gpu.triton"
 _rel = rel_error
@@ -248,8 +249,8 @@ def test_loop_bounds_skip_masked_blocks():
         backend="triton", causal=causal, scale=1.0, window=window, seq_len=seq_len, block_q=16, block_k=16,
         block_q_bwd=16, block_k_bwd=16, num_warps=4, num_stages=2, num_warps_bwd=4, num_stages_bwd=2,
         interpret=True)
-    kv = lambda q_start, c: tuple(int(x) for x in fa_mod._kv_block_range(q_start, 16, 16, c))
-    qr = lambda k_start, c: tuple(int(x) for x in fa_mod._q_block_range(k_start, 16, 16, c))
+    kv = lambda q_start, c: tuple(int(x) for x in tri_mod._kv_block_range(q_start, 16, 16, c))
+    qr = lambda k_start, c: tuple(int(x) for x in tri_mod._q_block_range(k_start, 16, 16, c))
     assert kv(32, cfg(True, None, 128)) == (0, 3)           # causal: blocks 0..2 for queries 32..47
     assert kv(32, cfg(False, None, 100)) == (0, 7)          # full: all 7 real blocks, not the padded 8th
     assert kv(64, cfg(True, 20, 128)) == (2, 5)             # causal window 20: keys 45..79
@@ -273,17 +274,17 @@ def test_block_splits_mask_exactly_where_needed(causal):
                                    block_q=bq, block_k=bk, block_q_bwd=bq, block_k_bwd=bk, num_warps=4,
                                    num_stages=2, num_warps_bwd=4, num_stages_bwd=2, interpret=True)
                 full = lambda q_start, k_start: (
-                    (fa_mod._tile_mask(q_start, bq, k_start, bk, None, None, c, pad) is None)
-                    or bool(np.all(np.asarray(fa_mod._tile_mask(q_start, bq, k_start, bk, None, None, c, pad)))))
+                    (tri_mod._tile_mask(q_start, bq, k_start, bk, None, None, c, pad) is None)
+                    or bool(np.all(np.asarray(tri_mod._tile_mask(q_start, bq, k_start, bk, None, None, c, pad)))))
                 for q_start in range(0, sp, bq):                       # forward / dq: kv blocks of a q block
-                    lo, mid, hi = (int(x) for x in fa_mod._kv_block_split(q_start, bq, bk, c))
-                    assert (lo, hi) == tuple(int(x) for x in fa_mod._kv_block_range(q_start, bq, bk, c))
+                    lo, mid, hi = (int(x) for x in tri_mod._kv_block_split(q_start, bq, bk, c))
+                    assert (lo, hi) == tuple(int(x) for x in tri_mod._kv_block_range(q_start, bq, bk, c))
                     assert lo <= mid <= hi
                     for j in range(lo, hi):
                         assert full(q_start, j * bk) == (j < mid), (bq, bk, seq_len, q_start, j)
                 for k_start in range(0, sp, bk):                       # dk / dv: q blocks of a kv block
-                    lo, mid, hi = (int(x) for x in fa_mod._q_block_split(k_start, bk, bq, c, pad))
-                    assert (lo, hi) == tuple(int(x) for x in fa_mod._q_block_range(k_start, bk, bq, c))
+                    lo, mid, hi = (int(x) for x in tri_mod._q_block_split(k_start, bk, bq, c, pad))
+                    assert (lo, hi) == tuple(int(x) for x in tri_mod._q_block_range(k_start, bk, bq, c))
                     assert lo <= mid <= hi
                     for i in range(lo, hi):
                         assert full(i * bq, k_start) == (i >= mid), (bq, bk, seq_len, k_start, i)
@@ -299,8 +300,8 @@ def test_block_splits_mask_exactly_where_needed(causal):
 def test_flash_attention_causal_unmasked_blocks(dtype, seq, blocks, split_backward, monkeypatch):
     """Plain causal attention over several blocks: the kernels' unmasked block loops (blocks below the diagonal)
     run next to the masked ones (diagonal, ragged last block), forward and backward (the backward split is off
-    by default, fa_mod.SPLIT_BACKWARD, and checked both ways)."""
-    monkeypatch.setattr(fa_mod, "SPLIT_BACKWARD", split_backward)
+    by default, tri_mod.SPLIT_BACKWARD, and checked both ways)."""
+    monkeypatch.setattr(tri_mod, "SPLIT_BACKWARD", split_backward)
     bq, bk, bqb, bkb = blocks
     _check(91 + seq, 1, seq, 4, 2, 64, dtype, True, False, bq, bk, block_q_bwd=bqb, block_k_bwd=bkb)
 

@@ -1,5 +1,5 @@
 """Attention dispatch: 'xla' (plain jnp reference, any device), 'cudnn' (jax.nn.dot_product_attention),
-'pallas' (``pallas_kernels.flash_attention``, run per shard: batch and heads split as the rules say, the
+'pallas' (``pallas_kernels.flash_attention`` through :mod:`jaxtron.model.kernels`, run per shard: batch and heads split as the rules say, the
 sequence whole) or 'mosaic' (the same with ``backend="mosaic"``: the Mosaic GPU kernels for Hopper).
 
 q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; causal; ``segment_ids``
@@ -13,8 +13,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxtron.model import kernels
 from jaxtron.model.projection import contract
-from jaxtron.parallel.sharding import kernel_interpret, per_shard
 
 
 def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
@@ -41,22 +41,9 @@ def cudnn_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> 
                                         implementation="cudnn")
 
 
-Q_NAMES = ("act_batch", None, "act_heads", None)
-KV_NAMES = ("act_batch", None, "act_kv_heads", None)
-
-
 def pallas_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float, backend: str = "triton",
                      **kernel_kw) -> jax.Array:
-    from pallas_kernels.flash_attention import flash_attention
-
-    interpret = kernel_interpret()
-
-    def kernel(q, k, v, segment_ids):
-        return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, softmax_scale=scale,
-                               interpret=interpret, backend=backend, **kernel_kw)
-
-    seg_names = ("act_batch", None) if segment_ids is not None else None
-    return per_shard(kernel, (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), Q_NAMES)(q, k, v, segment_ids)
+    return kernels.flash_attention(q, k, v, segment_ids, scale, backend, **kernel_kw)
 
 
 def mosaic_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float, deterministic: bool = False):

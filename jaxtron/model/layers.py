@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -11,9 +10,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, head_dim
+from jaxtron.model import kernels
 from jaxtron.model.attention import attention
 from jaxtron.model.projection import project
-from jaxtron.parallel.sharding import constrain, kernel_interpret, per_shard
+from jaxtron.parallel.sharding import constrain
 
 
 def param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
@@ -81,23 +81,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotate(x, *rope_tables(positions, inv_freq))
 
 
-def pallas_rope(q, k, positions, inv_freq):
-    """The fused q/k RoPE kernel (``pallas_kernels.apply_rope``), per shard."""
-    from pallas_kernels.rope import apply_rope as fused_rope
-    q_names = ("act_batch", "act_seq", "act_heads", None)
-    k_names = ("act_batch", "act_seq", "act_kv_heads", None)
-    kernel = functools.partial(fused_rope, interpret=kernel_interpret())
-    return per_shard(kernel, (q_names, k_names, ("act_batch", "act_seq"), (None,)),
-                     [q_names, k_names])(q, k, positions.astype(jnp.int32), inv_freq)
-
-
-def pallas_swiglu(gate, up):
-    """silu(gate) * up with the fused kernel (``pallas_kernels.swiglu``), per shard."""
-    from pallas_kernels.swiglu import swiglu
-    names = ("act_batch", "act_seq", "act_mlp")
-    return per_shard(functools.partial(swiglu, interpret=kernel_interpret()), (names, names), names)(gate, up)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, head_dim(cfg)
@@ -124,7 +107,7 @@ class Attention(nnx.Module):
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         if self.cfg.rope_impl == "pallas":
-            q, k = pallas_rope(q, k, rope.positions, rope.inv_freq)
+            q, k = kernels.rope(q, k, rope.positions, rope.inv_freq)
         else:
             cos, sin = (rope.cos, rope.sin) if rope.cos is not None else rope_tables(rope.positions, rope.inv_freq)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
@@ -148,6 +131,6 @@ class SwiGLU(nnx.Module):
         dt = x.dtype
         gate = project("bsd,df->bsf", x, self.w_gate[...].astype(dt))
         up = project("bsd,df->bsf", x, self.w_up[...].astype(dt))
-        h = pallas_swiglu(gate, up) if self.mlp_impl == "pallas" else jax.nn.silu(gate) * up
+        h = kernels.swiglu(gate, up) if self.mlp_impl == "pallas" else jax.nn.silu(gate) * up
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
         return project("bsf,fd->bsd", h, self.w_down[...].astype(dt))

@@ -85,7 +85,8 @@ def _attention_cases(cfg: Config, seq: int):
 
 
 def _rope_case(cfg: Config, seq: int):
-    from jaxtron.model.layers import apply_rope, pallas_rope, rope_frequencies
+    from jaxtron.model.kernels import rope as pallas_rope
+    from jaxtron.model.layers import apply_rope, rope_frequencies
 
     m = cfg.model
     d = config_lib.head_dim(m)
@@ -105,7 +106,7 @@ def _rope_case(cfg: Config, seq: int):
 
 
 def _swiglu_case(cfg: Config, seq: int):
-    from jaxtron.model.layers import pallas_swiglu
+    from jaxtron.model.kernels import swiglu as pallas_swiglu
 
     width = min(cfg.model.intermediate_size, 1024)
     ks = jax.random.split(jax.random.key(3), 2)
