@@ -44,7 +44,7 @@ _EXPORTS = {
     "Checkpointer": ("jaxtron.checkpoint", "Checkpointer"),
     "CheckpointError": ("jaxtron.checkpoint", "CheckpointError"),
     "load_params": ("jaxtron.checkpoint", "load_params"),
-    "load_model": ("jaxtron.generate", "load_model"),
+    "load_model": ("jaxtron.convert.loading", "load_model"),
     "import_hf": ("jaxtron.convert.checkpoint_io", "import_hf"),
     "export_hf": ("jaxtron.convert.checkpoint_io", "export_hf"),
     "load_hf": ("jaxtron.convert.hf", "load"),
@@ -84,7 +84,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
     from jaxtron.data.indexed import IndexedDataset  # noqa: F401
     from jaxtron.data.prepare import prepare as prepare_data  # noqa: F401
     from jaxtron.data.tokenizers import load_tokenizer  # noqa: F401
-    from jaxtron.generate import load_model  # noqa: F401
+    from jaxtron.convert.loading import load_model  # noqa: F401
     from jaxtron.model import Llama  # noqa: F401
     from jaxtron.parallel import build_mesh  # noqa: F401
     from jaxtron.train.loop import Callback, Trainer, TrainingAborted, TrainResult  # noqa: F401

@@ -197,3 +197,40 @@ def test_cli_text_output_and_errors(jaxtron_ckpt, capsys, tmp_path):
         assert generate_cli.main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (argv, err)
+
+
+def test_tensor_parallel_generation_equals_one_device():
+    """The same model, its weights and KV cache split over parallel.tensor=2 (the training attention and its
+    sharding constraints), generates the same tokens as on one device, greedy, token for token."""
+    from jaxtron import config as config_lib
+    from jaxtron.generate import generate
+    from jaxtron.parallel.layout import Layout
+    from jaxtron.train.state import create_model
+
+    cfg = config_lib.load(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+                                 "model.num_kv_heads=2", "model.intermediate_size=128", "model.dtype=float32",
+                                 "parallel.data=1"])
+    model = create_model(cfg, devices=jax.devices()[:1])
+    prompts = [[5, 17, 3, 99, 42], [7, 8]]
+    one = generate(model, prompts, max_new_tokens=12)
+    layout = Layout.for_inference(cfg.model, ["parallel.tensor=2"])
+    assert layout.tp == 2 and layout.num_devices == 2
+    sharded = layout.place(model)
+    wq = sharded.layers.attention.wq[...]
+    assert len(wq.sharding.device_set) == 2 and wq.addressable_shards[0].data.shape[2] == 2  # heads split
+    two = generate(sharded, prompts, max_new_tokens=12, layout=layout)
+    np.testing.assert_array_equal(two.tokens, one.tokens)
+    np.testing.assert_array_equal(two.lengths, one.lengths)
+
+
+def test_cli_on_a_tensor_parallel_mesh(jaxtron_ckpt, capsys):
+    """python -m jaxtron.generate ... parallel.tensor=2 prints what one device prints."""
+    ckpt, _ = jaxtron_ckpt
+    argv = ["--checkpoint", ckpt, "--prompt", "def main(", "--prompt", "x", "--max-new-tokens", "6", "--json"]
+    assert generate_cli.main(argv) == 0
+    one = capsys.readouterr().out
+    assert generate_cli.main(argv + ["parallel.tensor=2"]) == 0
+    assert capsys.readouterr().out == one
+    assert generate_cli.main(argv + ["train.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train.steps: only parallel.* overrides"), err

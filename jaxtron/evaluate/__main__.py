@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     from jaxtron.config import ConfigError
     from jaxtron import evaluate as ev
     from jaxtron import generate as gen
+    from jaxtron.convert.loading import load_model
 
     try:
         if args.seq_len < 1:
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
         if args.max_batches is not None and args.max_batches < 1:
             raise ValueError(f"--max-batches: must be >= 1, got {args.max_batches}")
         kind, source = ev.data_kind(args.data)
-        cfg, model, ckpt_kind = gen.load_model(args.checkpoint, args.dtype)
+        cfg, model, ckpt_kind = load_model(args.checkpoint, args.dtype)
         if kind == "indexed":
             tokens = ev.indexed_tokens(source)
         else:

@@ -13,7 +13,7 @@ it would compute alone.
 
 The whole generation -- prefill of all prompts in one forward, then one token per iteration of a
 ``lax.while_loop`` against a fixed-size cache ``[layers, batch, prompt_len + max_new_tokens, kv_heads,
-head_dim]`` (see :mod:`jaxtron.model.decode`) -- is one jitted program: nothing recompiles per token (it
+head_dim]`` (see :mod:`jaxtron.model.cache`) -- is one jitted program: nothing recompiles per token (it
 compiles once per model, batch size, padded prompt length, ``max_new_tokens`` and greedy/sampling).
 The loop ends early once every row has produced EOS.
 
@@ -26,7 +26,7 @@ with or without the cache. :func:`generate_no_cache` (``use_cache=False``) runs 
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import json
 import os
@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtron.model.decode import forward_cached, init_cache
+from jaxtron.convert.loading import is_hf_folder, load_model  # noqa: F401  (re-exported: loading lives in convert)
+from jaxtron.model.cache import init_cache
 
 __all__ = ["generate", "generate_no_cache", "GenerateOutput", "nucleus_mask", "sample_logits", "load_model",
            "default_tokenizer"]
@@ -98,7 +99,7 @@ def _generate_core(model, tokens, start, key, temperature, top_p, eos_id, pad_id
 
     if use_cache:
         cache = init_cache(model.cfg, batch, total)
-        logits, buf = forward_cached(model, tokens, prompt_pos, cache, 0, start)
+        logits, buf = model.forward_cached(tokens, prompt_pos, cache, 0, start)
         last = logits[:, -1]
     else:
         buf = jnp.full((batch, total), pad_id, jnp.int32).at[:, :plen].set(tokens)
@@ -121,7 +122,7 @@ def _generate_core(model, tokens, start, key, temperature, top_p, eos_id, pad_id
         done = done | (tok == eos_id)
         pos = (plen - start) + i  # RoPE position of the new token
         if use_cache:
-            logits, buf = forward_cached(model, tok[:, None], pos[:, None], buf, plen + i, start)
+            logits, buf = model.forward_cached(tok[:, None], pos[:, None], buf, plen + i, start)
             last = logits[:, 0]
         else:
             buf = jax.lax.dynamic_update_slice(buf, tok[:, None], (0, plen + i))
@@ -164,9 +165,14 @@ def _left_pad(prompt_tokens, vocab_size: int, pad_id: int) -> tuple[np.ndarray, 
 
 def generate(model, prompt_tokens, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              eos_id: Optional[int] = None, seed: int = 0, pad_id: Optional[int] = None,
-             use_cache: bool = True) -> GenerateOutput:
+             use_cache: bool = True, layout=None) -> GenerateOutput:
     """Continue each prompt (a list of token-id lists of any lengths, or a ``[batch, len]`` array) by up to
-    ``max_new_tokens`` tokens. See the module docstring; ``pad_id`` defaults to ``eos_id`` (or 0)."""
+    ``max_new_tokens`` tokens. See the module docstring; ``pad_id`` defaults to ``eos_id`` (or 0).
+
+    ``layout`` (a :class:`jaxtron.parallel.Layout`, e.g. ``Layout.for_inference(cfg.model,
+    ["parallel.tensor=2"])``, with the model placed on it by ``layout.place(model)``): generation runs on its
+    mesh under its rules, the same sharding constraints as training (heads, MLP, vocab and the KV cache split
+    over tensor parallelism)."""
     vocab = model.cfg.vocab_size
     if int(max_new_tokens) < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -180,11 +186,12 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, temperature: float = 
     if not 0 <= pad < vocab:
         raise ValueError(f"generate: pad_id {pad} is outside the vocabulary [0, {vocab})")
     tokens, start = _left_pad(prompt_tokens, vocab, pad)
-    out, lengths = _generate_core(
-        model, jnp.asarray(tokens), jnp.asarray(start), jax.random.PRNGKey(seed),
-        jnp.float32(temperature if temperature > 0 else 1.0), jnp.float32(top_p),
-        jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad),
-        max_new_tokens=int(max_new_tokens), greedy=temperature == 0, use_cache=use_cache)
+    with (layout.tracing() if layout is not None else contextlib.nullcontext()):
+        out, lengths = _generate_core(
+            model, jnp.asarray(tokens), jnp.asarray(start), jax.random.PRNGKey(seed),
+            jnp.float32(temperature if temperature > 0 else 1.0), jnp.float32(top_p),
+            jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad),
+            max_new_tokens=int(max_new_tokens), greedy=temperature == 0, use_cache=use_cache)
     return GenerateOutput(np.asarray(out), np.asarray(lengths))
 
 
@@ -194,41 +201,6 @@ def generate_no_cache(model, prompt_tokens, **kwargs) -> GenerateOutput:
 
 
 # ============================================================================================ loading
-
-
-def is_hf_folder(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-
-
-def _host_friendly(cfg):
-    """On CPU, run the xla reference kernels (cudnn cannot run there, pallas would be interpreted)."""
-    if jax.default_backend() != "cpu":
-        return cfg
-    return dataclasses.replace(cfg, attention_impl="xla", rope_impl="xla", mlp_impl="xla", remat="none")
-
-
-def load_model(path: str, dtype: Optional[str] = None):
-    """(ModelConfig, Llama, kind) of a Hugging Face folder (has config.json: ``kind="hf"``) or a jaxtron
-    checkpoint (training or weights-only, a checkpoint directory or one step directory: ``kind="jaxtron"``).
-    ``dtype`` overrides the compute dtype. Raises ValueError/CheckpointError/ConfigError with one-line
-    messages."""
-    from jaxtron.convert import hf
-
-    if not os.path.exists(path):
-        raise ValueError(f"--checkpoint: {os.path.abspath(path)} does not exist")
-    if is_hf_folder(path):
-        cfg, model = hf.load(path, dtype=dtype)  # HF configs always get the xla reference kernels
-        return cfg, model, "hf"
-    from jaxtron.convert.checkpoint_io import read_checkpoint
-
-    full_cfg, params, _, _ = read_checkpoint(path)
-    cfg = full_cfg.model
-    if dtype is not None:
-        cfg = dataclasses.replace(cfg, dtype=jnp.dtype(dtype).name)
-    cfg = _host_friendly(cfg)
-    graphdef, abstract = hf._abstract_model(cfg)
-    nnx.replace_by_pure_dict(abstract, params)
-    return cfg, nnx.merge(graphdef, abstract), "jaxtron"
 
 
 def default_tokenizer(path: str, kind: str, spec: Optional[str] = None):

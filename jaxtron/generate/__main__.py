@@ -3,6 +3,7 @@
     python -m jaxtron.generate --checkpoint runs/tiny/checkpoints --prompt "def main(" --max-new-tokens 64
     python -m jaxtron.generate --checkpoint hf/Llama-3.2-1B --prompt "The capital of France is" \\
         --temperature 0.7 --top-p 0.9 --seed 1
+    python -m jaxtron.generate --checkpoint runs/tiny/checkpoints --prompt "def" parallel.tensor=2
 
 CKPT is a jaxtron checkpoint (training run's ``checkpoints`` directory, one step directory of it, or the
 output of ``python -m jaxtron.convert import-hf``) or a Hugging Face folder (has ``config.json``). The
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute dtype [default: the checkpoint's]")
     p.add_argument("--no-cache", action="store_true", help="recompute the full forward every step (slow)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("overrides", nargs="*", help="parallel.* sizes for a mesh, e.g. parallel.tensor=2 (default: "
+                                                "one device)")
     return p
 
 
@@ -59,8 +62,15 @@ def main(argv=None) -> int:
         for text, ids in zip(args.prompt, prompts):
             if not ids:
                 raise ValueError(f"--prompt: {text!r} encodes to no tokens")
+        layout = None
+        if args.overrides:
+            from jaxtron.parallel.layout import Layout
+
+            layout = Layout.for_inference(cfg, args.overrides)
+            model = layout.place(model)
         out = gen.generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_p=args.top_p, eos_id=tok.eod, seed=args.seed, use_cache=not args.no_cache)
+                           top_p=args.top_p, eos_id=tok.eod, seed=args.seed, use_cache=not args.no_cache,
+                           layout=layout)
     except (CheckpointError, ConfigError, ValueError, OSError) as err:
         print("error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2

@@ -33,6 +33,20 @@ def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> ja
     return out.reshape(b, s, h, d).astype(q.dtype)
 
 
+def cached_attention(q, k, v, mask, scale: float) -> jax.Array:
+    """Decoding against a KV cache: q [b, s, h, d]; k, v [b, T, kvh, d] (the whole cache); mask [b, s, T]. The
+    math of :func:`xla_attention` with an explicit mask (the flash kernels are causal square kernels, so a
+    cached step runs this for every ``attention_impl``)."""
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, s, kvh, h // kvh, d)
+    scores = contract("bqkgd,bskd->bkgqs", qg, k, jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = contract("bkgqs,bskd->bqkgd", probs, v, jnp.float32)
+    return out.reshape(b, s, h, d).astype(q.dtype)
+
+
 def cudnn_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
     mask = None
     if segment_ids is not None:  # cuDNN has no segment ids: a dense mask is correct but slower

@@ -11,7 +11,8 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig, head_dim
 from jaxtron.model import kernels
-from jaxtron.model.attention import attention
+from jaxtron.model.attention import attention, cached_attention
+from jaxtron.model.cache import CACHE_NAMES, LayerCache
 from jaxtron.model.projection import project
 from jaxtron.parallel.sharding import constrain
 
@@ -96,7 +97,9 @@ class Attention(nnx.Module):
             self.bk = param(rngs, (kvh, hd), ("kv_heads", "head_dim"), 0.0, pd)
             self.bv = param(rngs, (kvh, hd), ("kv_heads", "head_dim"), 0.0, pd)
 
-    def __call__(self, x, rope: Rope, segment_ids):
+    def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
+        """[batch, seq, hidden] -> [batch, seq, hidden]; with ``cache`` (decoding), this chunk's k/v are written
+        into the cache at ``cache.index`` and the queries attend over the whole cache: returns (out, (k, v))."""
         dt = x.dtype
         q = project("bsd,dhk->bshk", x, self.wq[...].astype(dt))
         k = project("bsd,dhk->bshk", x, self.wk[...].astype(dt))
@@ -111,10 +114,21 @@ class Attention(nnx.Module):
         else:
             cos, sin = (rope.cos, rope.sin) if rope.cos is not None else rope_tables(rope.positions, rope.inv_freq)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cache is not None:
+            return self._attend_cache(q, k, v, cache)
         out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
                         deterministic=self.cfg.deterministic_attention)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return project("bshk,hkd->bsd", out, self.wo[...].astype(dt))
+
+    def _attend_cache(self, q, k, v, cache: LayerCache):
+        dt = q.dtype
+        write = lambda buf, x: constrain(jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype),
+                                                                      (0, cache.index, 0, 0)), CACHE_NAMES)
+        k_cache, v_cache = write(cache.k, k), write(cache.v, v)
+        out = cached_attention(q, k_cache.astype(dt), v_cache.astype(dt), cache.mask, q.shape[-1] ** -0.5)
+        out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        return project("bshk,hkd->bsd", out, self.wo[...].astype(dt)), (k_cache, v_cache)
 
 
 class SwiGLU(nnx.Module):

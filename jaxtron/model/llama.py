@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, compute_dtype
+from jaxtron.model.cache import KVCache, LayerCache, cache_mask
 from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
 from jaxtron.model.projection import project
 from jaxtron.parallel.sharding import constrain
@@ -37,7 +38,11 @@ class DecoderBlock(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x, rope: Rope, segment_ids):
+    def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
+        if cache is not None:  # decoding: the same block, its attention reading and writing the KV cache
+            a, kv = self.attention(self.attn_norm(x), rope, segment_ids, cache)
+            x = constrain(x + a, RESIDUAL)
+            return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL), kv
         x = x + self.attention(self.attn_norm(x), rope, segment_ids)
         x = constrain(x, RESIDUAL)
         x = x + self.mlp(self.mlp_norm(x))
@@ -95,14 +100,16 @@ class Llama(nnx.Module):
         table = constrain(self.embed[...].astype(dt), ("vocab", "act_embed"))
         return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
 
+    def _rope(self, positions: jax.Array) -> Rope:
+        inv_freq = rope_frequencies(self.cfg)
+        if self.cfg.rope_impl == "xla":  # the cos/sin tables once for all the layers
+            return Rope(positions, inv_freq, *rope_tables(positions, inv_freq))
+        return Rope(positions, inv_freq)
+
     def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
         """The stacked decoder blocks (however many ``self.layers`` holds), scanned (``scan_unroll`` blocks per
         iteration), with the remat policy."""
-        inv_freq = rope_frequencies(self.cfg)
-        if self.cfg.rope_impl == "xla":  # the cos/sin tables once for all the layers
-            rope = Rope(positions, inv_freq, *rope_tables(positions, inv_freq))
-        else:
-            rope = Rope(positions, inv_freq)
+        rope = self._rope(positions)
         graphdef, state = nnx.split(self.layers)
 
         def block(carry, layer_state):
@@ -113,6 +120,26 @@ class Llama(nnx.Module):
             block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         x, _ = jax.lax.scan(block, x, state, unroll=self.cfg.scan_unroll)
         return x
+
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, index, start: jax.Array
+                       ) -> tuple[jax.Array, KVCache]:
+        """Decoding: logits ``[batch, s, vocab]`` (fp32) of ``tokens [batch, s]`` written at cache slots
+        ``index..index+s-1`` (RoPE ``positions [batch, s]``), and the updated cache; ``start [batch]`` is each
+        row's first real slot (left padding before it is never attended to). The training blocks run as in
+        :meth:`run_layers`, their attention against the cache (:mod:`jaxtron.model.cache`)."""
+        index = jnp.asarray(index, jnp.int32)
+        x = self.embed_tokens(tokens)
+        rope = self._rope(positions)
+        mask = cache_mask(start.astype(jnp.int32), index, tokens.shape[1], cache.k.shape[2])
+        graphdef, state = nnx.split(self.layers)
+
+        def block(x, xs):
+            layer_state, k, v = xs
+            x, kv = nnx.merge(graphdef, layer_state)(x, rope, None, LayerCache(k, v, index, mask))
+            return x, kv
+
+        x, (k, v) = jax.lax.scan(block, x, (state, cache.k, cache.v))
+        return self.logits(x), KVCache(k, v)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: [batch, seq, hidden] -> fp32 logits [batch, seq, vocab]."""

@@ -158,6 +158,44 @@ class Layout:
                           tensor=layout.tp)
         return layout
 
+    @classmethod
+    def for_inference(cls, model_cfg, overrides: Sequence[str] = (), devices=None) -> "Layout":
+        """The layout of generation or evaluation of a model ``model_cfg`` with ``parallel.*`` ``overrides``
+        (e.g. ``["parallel.tensor=2"]``): data parallelism defaults to 1 and the mesh spans as many of
+        ``devices`` (default: all) as the sizes multiply to (all of them when one size is -1)."""
+        import dataclasses
+
+        import jax
+
+        from jaxtron.config.loading import load
+
+        bad = [o for o in overrides if not o.startswith("parallel.")]
+        if bad:
+            raise ConfigError(bad[0].split("=")[0], "only parallel.* overrides apply to generation/evaluation")
+        cfg = load(None, ["parallel.data=1", *overrides], validate_config=False)
+        cfg = dataclasses.replace(cfg, model=model_cfg)
+        sizes = configured_sizes(cfg.parallel)
+        devices = list(devices if devices is not None else jax.devices())
+        if -1 not in sizes.values():
+            devices = devices[:math.prod(sizes.values())]
+        dp = len(devices) // math.prod(v for v in sizes.values() if v != -1) if -1 in sizes.values() else \
+            math.prod(sizes[a] for a in BATCH_SPLIT)
+        cfg.train.global_batch_size, cfg.train.micro_batch_size = max(dp, 1), None  # batch: the prompts
+        return cls.build(cfg, devices)
+
+    def place(self, module):
+        """``module`` (an NNX module whose parameters carry logical names) with its parameters put in their
+        shards on this layout's mesh."""
+        import jax
+        from flax import nnx
+
+        from jaxtron.parallel.sharding import param_shardings
+
+        graphdef, state = nnx.split(module)
+        shardings = param_shardings(state, self._mesh(), self.rules)
+        placed = jax.tree.map(jax.device_put, state.to_pure_dict(), shardings)
+        return nnx.merge(graphdef, placed)
+
     # ------------------------------------------------------------------------------------------- sizes
     @property
     def num_devices(self) -> int:
