@@ -64,11 +64,6 @@ class PipelineSpec:
         s, m, v = self.stages, self.micro_batches, self.chunks_per_device
         return m + 2 * s - 2 if self.schedule == "1f1b" else v * m + s - 1
 
-    @property
-    def bubble(self) -> float:
-        s, m, v = self.stages, self.micro_batches, self.chunks_per_device
-        return (s - 1) / (v * m + s - 1)
-
 
 # ------------------------------------------------------------------------------------------------ layout
 
