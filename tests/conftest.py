@@ -8,3 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run first, so the 2 xdist workers do not end the suite waiting on one long test
+    (the Python 3.12 Mosaic run alone takes about 4 minutes). The order is otherwise unchanged."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
