@@ -26,8 +26,12 @@ V virtual stages):
   ``ppermute``, weight gradients accumulate in the carry. Activation memory is flat in M. Bubble (S-1)/(M+S-1).
 
 In ``gpipe``/``circular`` the embedding runs before the pipelined region and the loss after it, spread over the
-stages (micro batches split over ``stage`` when S divides M). In ``1f1b`` they run inside it, on the first and
-last stage, because the backward of a micro batch starts as soon as its forward leaves the last stage.
+stages (micro batches split over ``stage`` when S divides M); the loss head's gradient is taken in the same loop
+as its value (a custom VJP), so the head runs once per micro batch and the step holds no loop of collectives
+that is independent of the backward: XLA:CPU runs independent regions concurrently, each blocked collective
+holding one of a few pool threads, and two such loops plus the weight all-gathers deadlocked 8 CPU devices
+(tests/test_pipeline.py runs that command). In ``1f1b`` they run inside it, on the first and last stage,
+because the backward of a micro batch starts as soon as its forward leaves the last stage.
 """
 
 from __future__ import annotations
@@ -189,28 +193,66 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
     return fn(chunks, xs, micro)
 
 
-def _per_micro(spec: PipelineSpec, mesh: Mesh, fn: Callable, shared: Any, xs: Any, micro: dict):
-    """Sum of ``fn(shared, xs[m], micro[m])`` over micro batches, the stages working on different micro
-    batches in parallel when S divides M; each call rematerialized (only its inputs are kept)."""
+def _over_micro(spec: PipelineSpec, fn: Callable, shared: Any, xs: Any, micro: dict, carry0: Any):
+    """Scan ``fn(shared, xs[m], micro[m]) -> (sums, per_m)`` over micro batches: (summed ``sums``, stacked
+    ``per_m`` [M, ...]). When S divides M the stages work on different micro batches at once (vmap sharded
+    over ``stage``) and ``sums`` keep a leading [S] axis until one reduction after the loop."""
     S, M = spec.stages, spec.micro_batches
-    f = jax.checkpoint(fn)
     if M % S:
         def body(acc, xm):
-            return jax.tree.map(jnp.add, acc, f(shared, *xm)), None
-        first = jax.eval_shape(f, shared, *_index((xs, micro), 0))
-        zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), first)
-        return lax.scan(body, zero, (xs, micro))[0]
+            sums, per_m = fn(shared, *xm)
+            return jax.tree.map(jnp.add, acc, sums), per_m
+        return lax.scan(body, carry0(()), (xs, micro))
     # [M] (split over stage in S contiguous blocks) -> [M/S, S]: step r works on micro batch j*M/S + r on stage j
     regroup = lambda a: a.reshape(S, M // S, *a.shape[1:]).swapaxes(0, 1)
-    group = jax.vmap(f, in_axes=(None, 0, 0), spmd_axis_name=AXIS)
+    group = jax.vmap(fn, in_axes=(None, 0, 0), spmd_axis_name=AXIS)
 
     def body(acc, xm):
-        out = group(shared, *xm)
-        return jax.tree.map(lambda a, b: a + b.sum(0), acc, out), None
+        sums, per_m = group(shared, *xm)
+        return jax.tree.map(jnp.add, acc, sums), per_m
 
-    first = jax.eval_shape(group, shared, *_index(jax.tree.map(regroup, (xs, micro)), 0))
-    zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), first)
-    return lax.scan(body, zero, jax.tree.map(regroup, (xs, micro)))[0]
+    sums, per_m = lax.scan(body, carry0((S,)), jax.tree.map(regroup, (xs, micro)))
+    ungroup = lambda a: a.swapaxes(0, 1).reshape(M, *a.shape[2:])
+    return jax.tree.map(lambda a: a.sum(0), sums), jax.tree.map(ungroup, per_m)
+
+
+def _zeros_like_out(fn: Callable, *args) -> Callable:
+    out = jax.eval_shape(fn, *args)
+    return lambda lead: jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), out)
+
+
+def _post_loss(spec: PipelineSpec, post: Callable, shared: Any, outs: jax.Array, micro: dict):
+    """(loss, aux) summed over micro batches. Its VJP is computed in the forward, in the same loop as the loss
+    (one pass of the head per micro batch instead of a forward and a rematerialized one), which also leaves
+    no second loop of collectives independent of the backward. ``aux`` is for reporting: it has no gradient."""
+    mb0 = _index((outs, micro), 0)
+    dtypes = jax.tree.map(lambda p: p.dtype, shared)
+
+    def value(shared, x, mb):
+        return post(shared, x, mb), None
+
+    def value_and_grad(shared, x, mb):
+        (loss, aux), (d_shared, dx) = jax.value_and_grad(post, argnums=(0, 1), has_aux=True)(shared, x, mb)
+        d_shared = jax.tree.map(lambda g: g.astype(jnp.float32), d_shared)
+        return ((loss, aux), d_shared), dx
+
+    @jax.custom_vjp
+    def total(shared, outs):
+        return _over_micro(spec, value, shared, outs, micro, _zeros_like_out(post, shared, *mb0))[0]
+
+    def fwd(shared, outs):
+        (sums, d_shared), d_outs = _over_micro(spec, value_and_grad, shared, outs, micro,
+                                               _zeros_like_out(lambda *a: value_and_grad(*a)[0], shared, *mb0))
+        return sums, (d_shared, d_outs)
+
+    def bwd(res, ct):
+        d_shared, d_outs = res
+        g = ct[0]
+        return (jax.tree.map(lambda d, t: (d * g).astype(t), d_shared, dtypes),
+                (d_outs * g.astype(d_outs.dtype)))
+
+    total.defvjp(fwd, bwd)
+    return total(shared, outs)
 
 
 def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
@@ -224,7 +266,7 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
         # arrays at this boundary, so on CPU they cross it in fp32.
         xs = xs.astype(jnp.float32)
     outs = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro, dtype).astype(dtype)
-    return _per_micro(spec, mesh, post, shared, outs, micro)
+    return _post_loss(spec, post, shared, outs, micro)
 
 
 # -------------------------------------------------------------------------------------------------- 1f1b
