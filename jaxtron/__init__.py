@@ -64,6 +64,9 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jaxtron' has no attribute {name!r}")
     module_name, attr = _EXPORTS[name]
+    if not module_name.startswith(("jaxtron.config", "jaxtron.data")):  # those two do not need JAX
+        from jaxtron.jax_startup import import_jax
+        import_jax()  # quiet on a machine without a GPU
     module = importlib.import_module(module_name)
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value

@@ -5,6 +5,10 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jaxtron.jax_startup import import_jax  # noqa: E402
+
+import_jax()  # the first import of JAX in each test process: without the CUDA plugin's driver-probe lines
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

@@ -3,6 +3,10 @@
 :mod:`jaxtron.convert.hf` reads and writes Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
 folders (config.json + safetensors)."""
 
+from jaxtron.jax_startup import import_jax
+
+import_jax()  # before this package imports JAX: quiet on a machine without a GPU
+
 from jaxtron.convert.hf import (
     config_from_hf,
     config_to_hf,

@@ -17,6 +17,10 @@ tokens are whatever the dataset holds) or a plain text file tokenized whole (byt
 
 from __future__ import annotations
 
+from jaxtron.jax_startup import import_jax
+
+import_jax()  # before this package imports JAX: quiet on a machine without a GPU
+
 import math
 import os
 import sys

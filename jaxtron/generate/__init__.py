@@ -26,6 +26,10 @@ with or without the cache. :func:`generate_no_cache` (``use_cache=False``) runs 
 
 from __future__ import annotations
 
+from jaxtron.jax_startup import import_jax
+
+import_jax()  # before this package imports JAX: quiet on a machine without a GPU
+
 import contextlib
 import functools
 import json

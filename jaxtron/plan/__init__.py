@@ -12,6 +12,10 @@ virtual CPU devices instead, whose memory figures are only indicative (a differe
 
 from __future__ import annotations
 
+from jaxtron.jax_startup import import_jax
+
+import_jax()  # before this package imports JAX: quiet on a machine without a GPU
+
 import copy
 import importlib.metadata
 import itertools

@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = config_lib.load(args.config, args.overrides)
+        from jaxtron.jax_startup import import_jax
+        import_jax()  # quiet on a machine without a GPU
         from jaxtron.parallel.distributed import initialize
         initialize(cfg)  # before anything touches the devices
         from jaxtron.train.loop import run  # imports jax: after the config is known to be good

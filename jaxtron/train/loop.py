@@ -268,8 +268,10 @@ class _StderrHandler(logging.StreamHandler):
 def setup_logging(level: str) -> None:
     """jaxtron's log lines on stderr. A handler of its own: absl (imported by Orbax) claims the root logger."""
     logger = logging.getLogger("jaxtron")
-    # one voice: processes other than 0 report only warnings and errors
-    logger.setLevel(getattr(logging, level.upper()) if jax.process_index() == 0 else logging.WARNING)
+    # one voice: processes other than 0 report only errors (the warnings are about state every process shares,
+    # so process 0 says them once); what only one process sees goes to "jaxtron.process", at warning level
+    logger.setLevel(getattr(logging, level.upper()) if jax.process_index() == 0 else logging.ERROR)
+    logging.getLogger("jaxtron.process").setLevel(logging.WARNING)
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))

@@ -9,7 +9,7 @@ import signal
 import threading
 from typing import Optional
 
-log = logging.getLogger("jaxtron")
+log = logging.getLogger("jaxtron.process")  # a signal reaches one process: each says what it got
 
 
 class StopSignals:

@@ -1,0 +1,95 @@
+"""Importing JAX on a machine without an NVIDIA driver, without the CUDA plugin's noise.
+
+The ``test`` and ``plan`` extras install JAX's CUDA plugin (to compile for GPUs that are not there). On a
+machine with no NVIDIA driver, ``import jax`` then prints "Could not find cuda drivers" from C++ once per CUDA
+module, and the first use of the devices logs a "Jax plugin configuration error" traceback. On such a machine
+:func:`import_jax` drops those lines from the C-level stderr of the import and, when no ``JAX_PLATFORMS`` is
+chosen and no TPU runtime is installed, asks for the CPU platform, which skips the plugin's CUDA check. Everything else
+written to stderr meanwhile is passed on. With a driver present, nothing is changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import os
+import sys
+import tempfile
+
+PLUGIN_EXTENSIONS = ("jax_cuda12_plugin.cuda_plugin_extension", "jax_cuda12_plugin._versions",
+                     "jax_cuda13_plugin.cuda_plugin_extension", "jax_cuda13_plugin._versions")
+PLUGIN_PACKAGES = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+NOISE = (b"Could not find cuda drivers", b"All log messages before absl::InitializeLog() is called")
+
+
+def nvidia_driver_present() -> bool:
+    if os.path.exists("/proc/driver/nvidia/version"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def _load_cuda_plugin_libraries() -> None:
+    """Load now what the CUDA plugin loads when the devices are first used (its extension modules and its
+    PJRT library): the driver probe in each runs once per process, here, inside the filter."""
+    for module in PLUGIN_EXTENSIONS:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+    for plugin in PLUGIN_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(plugin)
+        except ImportError:
+            continue
+        if spec is not None and spec.origin:
+            library = os.path.join(os.path.dirname(spec.origin), "xla_cuda_plugin.so")
+            if os.path.exists(library):
+                try:
+                    ctypes.CDLL(library)
+                except OSError:
+                    pass
+
+
+@contextlib.contextmanager
+def _without_noise_on_stderr():
+    """Route file descriptor 2 (C++ logging writes there, not to ``sys.stderr``) through a temporary file and
+    pass on every line but the known noise."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2 (some embedded interpreters): leave it alone
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp if not any(n in line for n in NOISE)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+def import_jax():
+    """``import jax``, quietly on a machine without a GPU (see the module docstring); returns the module."""
+    if "jax" in sys.modules:
+        return sys.modules["jax"]
+    if importlib.util.find_spec("jax_plugins") is None or nvidia_driver_present():
+        import jax
+        return jax
+    with _without_noise_on_stderr():
+        import jax
+        _load_cuda_plugin_libraries()  # each prints the line once, when first loaded
+    if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms \
+            and importlib.util.find_spec("libtpu") is None:
+        jax.config.update("jax_platforms", "cpu")
+    return jax
