@@ -20,14 +20,22 @@ def tiny_config(*overrides: str) -> config_lib.Config:
     return config_lib.load(None, TINY + list(overrides))
 
 
-def synthetic_batch(cfg: config_lib.Config, seed: int) -> dict:
+def synthetic_batch(cfg: config_lib.Config, seed: int, documents: int = 1) -> dict:
+    """Random tokens; with ``documents`` > 1 each row packs that many documents of random lengths (segment ids
+    1, 2, ... and positions restarting at each, as the loader makes them with ``data.reset_at_eod``)."""
     rng = np.random.default_rng(seed)
     b, s = cfg.train.global_batch_size, cfg.data.seq_len
     toks = rng.integers(0, cfg.model.vocab_size, size=(b, s + 1), dtype=np.int32)
+    segment_ids = np.ones((b, s), np.int32)
+    positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
+    for row in range(b if documents > 1 else 0):
+        starts = np.sort(rng.choice(np.arange(1, s), size=documents - 1, replace=False))
+        segment_ids[row] = 1 + np.searchsorted(starts, np.arange(s), side="right")
+        begin = np.concatenate([[0], starts])[segment_ids[row] - 1]
+        positions[row] = np.arange(s) - begin
     return {
-        "inputs": toks[:, :-1], "targets": toks[:, 1:],
-        "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy(),
-        "segment_ids": np.ones((b, s), np.int32), "loss_mask": np.ones((b, s), np.float32),
+        "inputs": toks[:, :-1], "targets": toks[:, 1:], "positions": positions,
+        "segment_ids": segment_ids, "loss_mask": np.ones((b, s), np.float32),
     }
 
 
@@ -93,7 +101,7 @@ def lower_for_cuda(fn, *specs, device_kind: str = H100) -> str:
 NONZERO_LR = ("optim.warmup_steps=0", "optim.schedule=constant")
 
 
-def training_record(cfg, devices, steps: int = 3, batch_seed: int = 0) -> dict:
+def training_record(cfg, devices, steps: int = 3, batch_seed: int = 0, documents: int = 1) -> dict:
     """What a layout is compared on: the fp32 gradient of the whole batch at the initial parameters (leaf by
     leaf, through the train step's own gradient path: accumulation or pipeline), its global norm, and the
     losses and gradient norms of ``steps`` optimizer steps on one fixed batch."""
@@ -103,7 +111,7 @@ def training_record(cfg, devices, steps: int = 3, batch_seed: int = 0) -> dict:
     from jaxtron.train.loop import Trainer, put_batch
 
     trainer = Trainer(cfg, devices)
-    batch = put_batch(synthetic_batch(cfg, batch_seed), trainer.batch_sharding)
+    batch = put_batch(synthetic_batch(cfg, batch_seed, documents), trainer.batch_sharding)
     grads, metrics = trainer.gradients(batch)
     record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
               "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": []}

@@ -13,10 +13,10 @@ def test_fills_the_minus_one_axis_and_derives_the_batch_arithmetic():
     cfg = tiny_config("parallel.data=-1", "parallel.tensor=2", "train.global_batch_size=16",
                       "train.micro_batch_size=2")
     layout = Layout.build(cfg, jax.devices())
-    assert dict(layout.sizes) == {"stage": 1, "data": 4, "fsdp": 1, "tensor": 2}
+    assert dict(layout.sizes) == {"stage": 1, "data": 4, "fsdp": 1, "context": 1, "tensor": 2}
     assert (layout.dp, layout.tp, layout.stages, layout.num_devices) == (4, 2, 1, 8)
     assert layout.accumulation_steps == 2 and layout.bubble == 0.0
-    assert layout.mesh.axis_names == AXES and layout.mesh.devices.shape == layout.shape == (1, 4, 1, 2)
+    assert layout.mesh.axis_names == AXES and layout.mesh.devices.shape == layout.shape == (1, 4, 1, 1, 2)
     assert layout.describe() == "data=4 fsdp=1 tensor=2 stage=1"
 
 

@@ -96,6 +96,12 @@ class ParallelConfig:
                                                 "stage's unsharded weights and gradients in memory per device "
                                                 "(MaxText's pipeline_fsdp_ag_once).")
     sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
+    context: int = _f(1, "Context-parallel size: the sequence axis of activations split over this mesh axis "
+                         "(parameters are not; their gradients are reduced over it). Each sequence is cut into "
+                         "2*context chunks and rank r holds chunks r and 2*context-1-r (causal load balance).")
+    context_impl: str = _f("all_gather", "With context > 1: 'all_gather' (K and V gathered over 'context', "
+                                         "local queries attend to the whole sequence; the backward "
+                                         "reduce-scatters dK and dV). 'ring' and 'ulysses' are not built yet.")
 
 
 @dataclass

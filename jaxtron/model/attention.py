@@ -17,13 +17,20 @@ from jaxtron.model import kernels
 from jaxtron.model.projection import contract
 
 
-def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float) -> jax.Array:
+def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float,
+                  positions: Optional[jax.Array] = None) -> jax.Array:
+    """With ``positions`` [batch, seq] and ``segment_ids``, the causal mask compares positions (key not after
+    query, same segment) instead of indices: sequences may come in another order than their positions'
+    (context parallelism's load balance). Positions must increase along each segment, as the loader makes them."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
     qg = q.reshape(b, s, kvh, g, d)  # GQA without repeating K/V
     scores = contract("bqkgd,bskd->bkgqs", qg, k, jnp.float32) * scale
-    mask = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))[None, None, None]
+    if positions is None or segment_ids is None:
+        mask = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))[None, None, None]
+    else:
+        mask = (positions[:, :, None] >= positions[:, None, :])[:, None, None]
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = mask & same[:, None, None]
@@ -71,7 +78,7 @@ IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pal
 
 
 def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: Optional[float] = None,
-              deterministic: bool = False):
+              deterministic: bool = False, positions: Optional[jax.Array] = None):
     """deterministic: gradients bitwise reproducible run to run; 'xla' and 'pallas' always are, 'mosaic' switches
     to its dq kernel, 'cudnn' cannot promise it (ValueError)."""
     if implementation not in IMPLEMENTATIONS:
@@ -85,4 +92,6 @@ def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: 
     if deterministic and implementation == "cudnn":
         raise ValueError("model.deterministic_attention: cuDNN's attention backward is not deterministic here; "
                          "use model.attention_impl=pallas or mosaic")
+    if implementation == "xla":
+        return xla_attention(q, k, v, segment_ids, scale, positions)
     return IMPLEMENTATIONS[implementation](q, k, v, segment_ids, scale)

@@ -116,8 +116,15 @@ class Attention(nnx.Module):
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             return self._attend_cache(q, k, v, cache)
-        out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
-                        deterministic=self.cfg.deterministic_attention)
+        if self.cfg.attention_impl == "xla":
+            # every query attends to K and V of the whole sequence (gathered under context parallelism), the
+            # causal mask by position: the sequence may arrive reordered (context parallelism's load balance)
+            k = constrain(k, ("act_batch", "act_kv_seq", "act_kv_heads", "act_head_dim"))
+            v = constrain(v, ("act_batch", "act_kv_seq", "act_kv_heads", "act_head_dim"))
+            out = attention(q, k, v, segment_ids, implementation="xla", positions=rope.positions)
+        else:
+            out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
+                            deterministic=self.cfg.deterministic_attention)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return project("bshk,hkd->bsd", out, self.wo[...].astype(dt))
 

@@ -24,18 +24,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxtron.config.schema import Config, ConfigError, ParallelConfig
+from jaxtron.parallel.context import check_context
 
 if TYPE_CHECKING:  # jax is imported where a mesh is built: config validation does not import it
     import jax
     from jax.sharding import Mesh, NamedSharding
 
 # The mesh axes, outermost first: stage and data span hosts; tensor (then fsdp) stay innermost, inside a node.
-AXES = ("stage", "data", "fsdp", "tensor")
+AXES = ("stage", "data", "fsdp", "context", "tensor")
 # Axes that split the batch (data parallelism: gradients are reduced over them).
 BATCH_SPLIT = ("data", "fsdp")
 # Axes whose collectives sit on the critical path (Megatron tensor/sequence parallel activations); the others
 # (FSDP gathers, gradient reductions) XLA overlaps with compute.
-CRITICAL_PATH = ("tensor",)
+CRITICAL_PATH = ("tensor", "context")  # context: attention waits for the gathered K and V
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular")
 
 
@@ -100,6 +101,7 @@ def check_parallel(cfg: Config, sizes: Optional[Mapping[str, int]] = None) -> No
         if p.sequence_parallel:
             _check(cfg.data.seq_len % tensor == 0, "data.seq_len",
                    f"{cfg.data.seq_len} is not divisible by parallel.tensor={tensor} (sequence_parallel)")
+    check_context(cfg, known.get("context"), tensor)
     if all(a in known for a in BATCH_SPLIT):
         dp = math.prod(known[a] for a in BATCH_SPLIT)
         split = "*".join(BATCH_SPLIT)
@@ -270,6 +272,18 @@ class Layout:
         if self.mesh is None:
             raise ValueError("this Layout was planned without devices (Layout.planned); use Layout.build")
         return self.mesh
+
+    @property
+    def reorders_sequences(self) -> bool:
+        """Whether :meth:`balance` changes the order of the tokens (attention must then mask by position)."""
+        return self.sizes["context"] > 1
+
+    def balance(self, batch: dict) -> dict:
+        """The batch's sequences in the context-parallel load-balanced order (as is without context
+        parallelism); see :mod:`jaxtron.parallel.context`."""
+        from jaxtron.parallel.context import balance
+
+        return balance(batch, self.sizes["context"])
 
     def pipeline(self, for_eval: bool = False):
         """The :class:`~jaxtron.parallel.pipeline.PipelineSpec`, or None without pipeline stages. Evaluation

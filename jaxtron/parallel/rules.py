@@ -8,7 +8,9 @@ which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) paralle
   ``heads``/``kv_heads``/``mlp`` over ``tensor`` (column-parallel QKV/gate/up, row-parallel out/down),
   ``vocab`` over ``tensor`` (vocab-parallel embedding and logits).
 * activations: the batch over ``data`` and ``fsdp``; heads, MLP and vocab over ``tensor``;
-  with sequence parallelism the sequence axis of the residual stream (``act_res_seq``) over ``tensor``.
+  with sequence parallelism the sequence axis of the residual stream (``act_res_seq``) over ``tensor``;
+  the sequence axis (``act_seq``, ``act_res_seq``) over ``context`` (context parallelism: K and V, named
+  ``act_kv_seq`` where attention reads them, are gathered).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ _PARAM_RULES: Rules = (
 # Activation axes.
 _ACTIVATION_RULES: Rules = (
     ("act_batch", ("data", "fsdp")),
-    ("act_seq", None),
+    ("act_seq", "context"),
+    ("act_kv_seq", None),  # K and V attend from every context rank: gathered over 'context'
+
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
@@ -45,4 +49,4 @@ _ACTIVATION_RULES: Rules = (
 def logical_rules(parallel: ParallelConfig | None = None) -> Rules:
     """The rules for a parallel config; ``sequence_parallel`` maps ``act_res_seq`` onto ``tensor``."""
     sp = bool(parallel is not None and parallel.sequence_parallel)
-    return _PARAM_RULES + _ACTIVATION_RULES + (("act_res_seq", "tensor" if sp else None),)
+    return _PARAM_RULES + _ACTIVATION_RULES + (("act_res_seq", ("context", "tensor") if sp else "context"),)

@@ -29,7 +29,8 @@ def _f32zero() -> jax.Array:
 
 def _segments(batch: dict, packed: bool):
     """The segment ids attention follows: only with ``data.reset_at_eod`` (otherwise the batch's are all one
-    document, and plain causal attention takes the kernels' fast path: cuDNN has no segment ids)."""
+    document, and plain causal attention takes the kernels' fast path: cuDNN has no segment ids), or when the
+    layout reorders the sequence (context parallelism: the mask then follows positions within segments)."""
     return batch["segment_ids"] if packed else None
 
 
@@ -83,7 +84,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
     under ``layout.tracing()``."""
     accum = layout.accumulation_steps
     z_loss = cfg.optim.z_loss
-    packed = cfg.data.reset_at_eod
+    packed = cfg.data.reset_at_eod or layout.reorders_sequences  # see _segments
     if loss_fn is None:
         sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss, packed)
     else:
@@ -94,6 +95,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
                          "the loss from the last stage's hidden states, not from a whole model")
 
     def loss_and_grads(params, batch):
+        batch = layout.balance(batch)  # context parallelism: each rank's two chunks of every sequence
         if layout.stages > 1:
             return pipelined_value_and_grad(layout, spec.graphdef, spec.param_shardings,
                                             lambda logits, mb: _logits_sums(logits, mb, z_loss),
@@ -149,9 +151,10 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 
 
 def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
-    packed = cfg.data.reset_at_eod
+    packed = cfg.data.reset_at_eod or layout.reorders_sequences  # see _segments
 
     def evaluate(params, batch):
+        batch = layout.balance(batch)
         with layout.tracing():
             if layout.stages > 1:
                 _, (ce, n, _) = pipelined_loss(layout, spec.graphdef, spec.param_shardings,
