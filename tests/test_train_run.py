@@ -94,3 +94,14 @@ def test_packed_documents_do_not_attend_across(tmp_path):
     alone = model(jnp.asarray(doc_b[None]))
     np.testing.assert_allclose(np.asarray(out1[0, 5:]), np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(out1[0, :5]), np.asarray(out2[0, :5]))
+
+
+def test_bad_data_path_fails_before_the_model_is_built(tmp_path):
+    (tmp_path / "bad.idx").write_bytes(b"x")
+    (tmp_path / "bad.bin").write_bytes(b"x")
+    cmd = [sys.executable, "-m", "jaxtron.train", "data.source=indexed", f"data.paths={tmp_path / 'bad'}",
+           f"train.output_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: data.paths: {tmp_path / 'bad.idx'}: truncated")
+    assert "params" not in proc.stderr and "Traceback" not in proc.stderr  # no model summary: it was not built

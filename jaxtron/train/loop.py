@@ -282,7 +282,9 @@ def setup_logging(level: str) -> None:
 def run(cfg: Config) -> TrainResult:
     """What ``python -m jaxtron.train`` does: log to stderr, write ``<output_dir>/config.yaml``, train."""
     setup_logging(cfg.logging.level)
+    data = make_corpus(cfg)  # bad data paths fail here, in a second, before the model is built
     trainer = Trainer(cfg)  # the Layout's checks first: a config that cannot run writes nothing
+    trainer.data = data
     if jax.process_index() == 0:
         os.makedirs(cfg.train.output_dir, exist_ok=True)
         with open(os.path.join(cfg.train.output_dir, "config.yaml"), "w") as f:
