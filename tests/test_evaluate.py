@@ -23,6 +23,7 @@ from helpers import tiny_config
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import Checkpointer
 from jaxtron.data.indexed import write_dataset
+from jaxtron.data.tokenizer_record import BYTE_RECORD
 from jaxtron.evaluate import __main__ as evaluate_cli
 from jaxtron.evaluate import evaluate, windows_from_tokens
 from jaxtron.generate import load_model
@@ -49,7 +50,7 @@ def ckpt(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ckpt") / "ckpt")
     c = Checkpointer(out, keep=1, async_save=False)
     try:
-        c.save_params(0, params, {"config": config_lib.to_yaml(cfg)})
+        c.save_params(0, params, {"config": config_lib.to_yaml(cfg), "tokenizer": BYTE_RECORD})
     finally:
         c.close()
     _, model, kind = load_model(out)

@@ -195,7 +195,8 @@ def test_cli_text_output_and_errors(jaxtron_ckpt, capsys, tmp_path):
         (["--checkpoint", ckpt, "--prompt", "a", "--tokenizer", str(tmp_path / "tok.json")], "not found"),
     ]:
         assert generate_cli.main(argv) == 2, argv
-        err = capsys.readouterr().err.strip().splitlines()
+        # the checkpoint was imported from a folder without a tokenizer: a warning says byte is used
+        err = [x for x in capsys.readouterr().err.strip().splitlines() if not x.startswith("warning: ")]
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (argv, err)
 
 
@@ -232,5 +233,5 @@ def test_cli_on_a_tensor_parallel_mesh(jaxtron_ckpt, capsys):
     assert generate_cli.main(argv + ["parallel.tensor=2"]) == 0
     assert capsys.readouterr().out == one
     assert generate_cli.main(argv + ["train.steps=3"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if not x.startswith("warning: ")]
     assert len(err) == 1 and err[0].startswith("error: train.steps: only parallel.* overrides"), err

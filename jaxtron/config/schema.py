@@ -127,8 +127,15 @@ class DataConfig:
     paths: Optional[str] = _f(None, "indexed: 'PREFIX' or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' "
                                     "(Megatron's --data-path).")
     split: str = _f("969,30,1", "indexed: train,valid,test weights over the documents (Megatron's --split).")
-    eod_id: int = _f(0, "indexed: the end-of-document token id (the byte tokenizer's is 0).")
-    tokenizer: str = _f("byte", "builtin: 'byte', byte-level (vocab 256, token 0 = end of document).")
+    eod_id: Optional[int] = _f(None, "indexed: the end-of-document token id; default data.tokenizer's (byte: 0).")
+    tokenizer: str = _f("byte", "The tokenizer the data was prepared with: 'byte' (vocab 256, token 0 = end of "
+                                "document; the built-in corpus's), a Hugging Face tokenizer.json or a "
+                                "SentencePiece .model. Checked against the data's <prefix>.meta.json and the "
+                                "checkpoint resumed or loaded; checkpoints record it (with a copy of the file) "
+                                "for generate, evaluate and export-hf.")
+    allow_tokenizer_mismatch: bool = _f(False, "Train even when data.tokenizer differs from the tokenizer the data "
+                                               "was prepared with or the checkpoint was trained with (a warning "
+                                               "instead of an error).")
     seq_len: int = _f(256, "Tokens per training sequence.")
     valid_fraction: float = _f(0.02, "Fraction of documents held out for evaluation.")
     max_corpus_bytes: int = _f(16 * 2**20, "builtin: read at most this many bytes of sources.")

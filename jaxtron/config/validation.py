@@ -7,6 +7,7 @@ the config fixes; kernel capability checks (head dims, dtypes, platforms) by :mo
 
 from __future__ import annotations
 
+import os
 from functools import reduce
 
 from jaxtron.config.schema import Config, ConfigError, head_dim
@@ -94,7 +95,9 @@ def _validate_data(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
     _one_of(cfg, "data.source", ("builtin", "indexed"))
     check(d.source != "indexed" or bool(d.paths), "data.paths", "required when data.source=indexed")
-    check(d.tokenizer == "byte", "data.tokenizer", f"{d.tokenizer!r} is not supported yet (only 'byte')")
+    check(d.tokenizer == "byte" or os.path.exists(d.tokenizer), "data.tokenizer",
+          f"{d.tokenizer!r}: no such file (give 'byte', a tokenizer.json or a SentencePiece .model)")
+    check(d.eod_id is None or d.eod_id >= 0, "data.eod_id", f"must be >= 0, got {d.eod_id}")
     _positive(cfg, "data.seq_len", "data.max_corpus_bytes")
     check(0.0 < d.valid_fraction < 1.0, "data.valid_fraction", f"must be in (0, 1), got {d.valid_fraction}")
     if d.source == "builtin" and d.tokenizer == "byte":

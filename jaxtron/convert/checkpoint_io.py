@@ -21,6 +21,8 @@ from typing import Any, Optional
 import yaml
 
 from jaxtron import config as config_lib
+from jaxtron.convert import hf_tokenizer
+from jaxtron.data import tokenizer_record
 
 CONFIG_YAML = "config.yaml"
 
@@ -61,14 +63,23 @@ def import_hf(hf_dir: str, out: str, dtype: str = "float32") -> config_lib.Confi
         raise ValueError(f"--out: {out} is not empty (refusing to overwrite; choose a new directory)")
     hf_config, config_path = hf._read_config(hf_dir)
     model_cfg = dataclasses.replace(hf.config_from_hf(hf_config, source=config_path), param_dtype=dtype)
+    tok_rec = hf_tokenizer.record_from_folder(hf_dir, hf_config)
     cfg = dataclasses.replace(config_lib.Config(), model=model_cfg)
-    config_lib.validate(cfg)  # config.yaml must load back
-    text = config_lib.to_yaml(cfg)
-
     params = hf.params_from_hf(model_cfg, hf._SafetensorsFiles(hf_dir))  # numpy, in param_dtype
     ckpt = Checkpointer(out, keep=1, async_save=False)
     try:
-        ckpt.save_params(0, params, {"source": "hf", "hf_dir": hf_dir, "config": text})
+        meta = {"source": "hf", "hf_dir": hf_dir}
+        if tok_rec is not None:
+            # the copy in the checkpoint is the tokenizer fine-tuning data must be prepared with: config.yaml
+            # names it, so a run on other data stops with an error naming data.tokenizer and both tokenizers
+            tok_rec = tokenizer_record.copy_into(out, tok_rec)
+            cfg.data.tokenizer = os.path.join(out, tok_rec["copy"])
+            meta["tokenizer"] = tok_rec
+        if hf_config.get("max_position_embeddings"):
+            meta["max_positions"] = int(hf_config["max_position_embeddings"])
+        config_lib.validate(cfg)  # config.yaml must load back
+        text = config_lib.to_yaml(cfg)
+        ckpt.save_params(0, params, {**meta, "config": text})
     finally:
         ckpt.close()
     with open(os.path.join(out, CONFIG_YAML), "w") as f:
@@ -142,9 +153,14 @@ def export_hf(path: str, out: str, dtype: Optional[str] = None, max_shard_bytes:
     out = os.path.abspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out} exists and is not a directory")
-    cfg, params, _, where = read_checkpoint(path)
+    cfg, params, meta, where = read_checkpoint(path)
     graphdef, abstract = hf._abstract_model(cfg.model)
     nnx.replace_by_pure_dict(abstract, params)
     model = nnx.merge(graphdef, abstract)
-    hf.save(model, out, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    rec = meta.get("tokenizer")
+    # the longest sequence the model is known for (an old import: unknown, config_to_hf's default)
+    maxpos = meta.get("max_positions") or (None if meta.get("source") == "hf" else cfg.data.seq_len)
+    hf.save(model, out, max_shard_bytes=max_shard_bytes, dtype=dtype, max_position_embeddings=maxpos,
+            extra_config=hf_tokenizer.special_ids(rec))
+    hf_tokenizer.write_to_folder(rec, os.path.dirname(where), out, where)
     return where

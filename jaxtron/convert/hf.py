@@ -59,17 +59,20 @@ def load(hf_dir: str, dtype: Optional[str] = None, param_dtype: Optional[str] = 
 
 
 def save(model: Llama, hf_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: Optional[str] = None,
-         architecture: Optional[str] = None, max_position_embeddings: Optional[int] = None) -> None:
+         architecture: Optional[str] = None, max_position_embeddings: Optional[int] = None,
+         extra_config: Optional[dict] = None) -> None:
     """Write ``model`` (a jaxtron :class:`Llama`) as a Hugging Face folder that
     ``transformers.AutoModelForCausalLM.from_pretrained(hf_dir)`` loads.
 
     Weights are stored in ``dtype`` (default: the model's ``param_dtype``); above ``max_shard_bytes`` they
     are split into ``model-0000k-of-0000n.safetensors`` with a ``model.safetensors.index.json``. Existing
-    weight files of those names in ``hf_dir`` are replaced. See :func:`config_to_hf` for the other args."""
+    weight files of those names in ``hf_dir`` are replaced. ``extra_config`` is merged into config.json
+    (e.g. ``bos_token_id``/``eos_token_id``). See :func:`config_to_hf` for the other args."""
     cfg: ModelConfig = model.cfg
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     hf_config = config_to_hf(cfg, architecture, max_position_embeddings=max_position_embeddings,
                              dtype=out_dtype.name)
+    hf_config.update(extra_config or {})
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tensors = params_to_hf(cfg, params)
     shards = _plan_shards(tensors, max_shard_bytes, out_dtype.itemsize)

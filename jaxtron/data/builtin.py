@@ -125,4 +125,7 @@ class BuiltinCorpus(IndexedCorpus):
     def __init__(self, cfg: Config):
         prefixes = prepare_builtin(cfg.data)
         self.prefixes = prefixes
-        super().__init__(cfg, sources={name: [(1.0, p)] for name, p in prefixes.items()}, eod_id=EOD)
+        from jaxtron.data.tokenizer_record import BYTE_RECORD
+
+        super().__init__(cfg, sources={name: [(1.0, p)] for name, p in prefixes.items()}, eod_id=EOD,
+                         prepared_with=BYTE_RECORD)

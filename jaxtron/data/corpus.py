@@ -19,9 +19,15 @@ class IndexedCorpus:
     corpus); default: the blend in ``data.paths``, each prefix's documents cut by ``data.split``."""
 
     def __init__(self, cfg: Config, sources: Optional[dict[str, list[tuple[float, str]]]] = None,
-                 eod_id: Optional[int] = None):
+                 eod_id: Optional[int] = None, prepared_with: Optional[dict] = None):
+        from jaxtron.data import tokenizer_record  # here: tokenizers -> builtin -> corpus would be a cycle
+
         d, t = cfg.data, cfg.train
-        eod_id = d.eod_id if eod_id is None else eod_id
+        # ``prepared_with``: the tokenizer record of every source (the built-in corpus's); default: each
+        # prefix's <prefix>.meta.json, checked against data.tokenizer before any sample is cut
+        self.tokenizer = tokenizer_record.run_record(d, cfg.model.vocab_size)
+        eod_id = eod_id if eod_id is not None else d.eod_id if d.eod_id is not None else self.tokenizer["eod_id"]
+        checked: set = set()
         if sources is None:
             try:
                 blend = parse_data_paths(d.paths or "")
@@ -39,7 +45,14 @@ class IndexedCorpus:
             for (_, prefix), need in zip(blend, needed):
                 try:
                     indexed = IndexedDataset(prefix)
-                except IndexedDatasetError as err:
+                    if prefix not in checked:
+                        checked.add(prefix)
+                        rec = prepared_with or tokenizer_record.read_data_record(prefix)
+                        where = "the built-in corpus" if prepared_with else f"data.paths {prefix}"
+                        tokenizer_record.check_match(self.tokenizer, rec, where, d.allow_tokenizer_mismatch)
+                except (IndexedDatasetError, ValueError) as err:
+                    if isinstance(err, ConfigError):
+                        raise
                     raise ConfigError("data.paths", str(err)) from None
                 try:
                     lo, hi = (0, len(indexed)) if sources is not None else split_documents(len(indexed),

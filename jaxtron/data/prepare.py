@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxtron.data.indexed import IndexedDatasetWriter, best_dtype, bin_path, idx_path
 from jaxtron.data.tokenizers import TokenizerError, load_tokenizer
+from jaxtron.data.tokenizer_record import record_of, write_data_record
 
 _CHUNK_BYTES = 1 << 20  # raw input bytes per task sent to a worker
 
@@ -163,6 +164,7 @@ def prepare(inputs: Sequence[str], output_prefix: str, tokenizer: str = "byte", 
 
     ``tokenizer``: ``byte``, a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model``;
     ``append_eod`` adds its end-of-document id after every document; ``workers`` tokenizer processes.
+    Also writes ``<output_prefix>.meta.json``, the tokenizer's record (``jaxtron.data.tokenizer_record``).
     Returns ``{"bin", "idx", "documents", "tokens", "dtype", "input_bytes", "seconds"}``. Raises
     :class:`InputError` (a ValueError) naming the file (and line) on bad input; nothing is left behind then."""
     inputs = [os.fspath(p) for p in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
@@ -213,6 +215,8 @@ def prepare(inputs: Sequence[str], output_prefix: str, tokenizer: str = "byte", 
         if n_docs == 0:
             raise InputError(f"no documents found in {', '.join(inputs)} (empty input)")
         writer.finalize()
+        # the tokenizer travels with the ids: training refuses data prepared with another one
+        write_data_record(output_prefix, record_of(tok), append_eod=bool(append_eod))
     except BaseException:
         writer.abort()
         raise

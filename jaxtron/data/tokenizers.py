@@ -16,6 +16,8 @@ from jaxtron.data.builtin import EOD as BYTE_EOD
 
 # special tokens tried, in order, as the end-of-document id of a tokenizer.json
 _EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[EOS]", "<eod>", "[SEP]")
+# ... and as the beginning-of-sequence id (None when there is none: the checkpoint records it as null)
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]", "[CLS]")
 
 
 class TokenizerError(ValueError):
@@ -23,7 +25,9 @@ class TokenizerError(ValueError):
 
 
 class ByteLevelTokenizer:
+    kind = "byte"
     name = "byte"
+    bos = None
     vocab_size = 256
     eod = BYTE_EOD
 
@@ -38,6 +42,8 @@ class ByteLevelTokenizer:
 
 
 class HFTokenizer:
+    kind = "tokenizer.json"
+
     def __init__(self, path: str, eod_token: str | None = None):
         try:
             from tokenizers import Tokenizer
@@ -51,6 +57,14 @@ class HFTokenizer:
         self.name = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eod(path, eod_token)
+        self.bos = self._find_bos(path)
+
+    def _find_bos(self, path: str):
+        for name in _BOS_NAMES + (_config_token(path, "bos_token"),):
+            i = self._tok.token_to_id(name) if name else None
+            if i is not None:
+                return int(i)
+        return None
 
     def _find_eod(self, path: str, eod_token: str | None) -> int:
         names = (eod_token,) if eod_token else _EOD_NAMES
@@ -85,6 +99,8 @@ class HFTokenizer:
 
 
 class SentencePieceTokenizer:
+    kind = "sentencepiece"
+
     def __init__(self, path: str):
         try:
             import sentencepiece as spm
@@ -101,12 +117,24 @@ class SentencePieceTokenizer:
         if eos < 0:
             raise TokenizerError(f"{path}: SentencePiece model has no end-of-sentence id to use as end-of-document")
         self.eod = eos
+        self.bos = int(self._sp.bos_id()) if self._sp.bos_id() >= 0 else None
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+def _config_token(path: str, key: str):
+    """The ``key`` token (e.g. bos_token) of the tokenizer_config.json next to ``path``, or None."""
+    cfg = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    try:
+        with open(cfg) as f:
+            tok = json.load(f).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return tok.get("content") if isinstance(tok, dict) else tok if isinstance(tok, str) else None
 
 
 def load_tokenizer(spec: str, eod_token: str | None = None):

@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import types
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxtron.train.loss import cross_entropy_sums
 
-__all__ = ["evaluate", "windows_from_tokens", "token_stream", "indexed_tokens", "text_tokens"]
+__all__ = ["evaluate", "windows_from_tokens", "token_stream", "indexed_tokens", "text_tokens", "num_batches"]
 
 
 @nnx.jit
@@ -54,11 +54,12 @@ def _as_batch(batch):
     return w[:, :-1], w[:, 1:], np.ones((w.shape[0], w.shape[1] - 1), np.float32)
 
 
-def evaluate(model, batches: Iterable) -> dict:
+def evaluate(model, batches: Iterable, progress: Optional[Callable[[int, int, float], None]] = None) -> dict:
     """Mean token loss and perplexity of ``model`` over ``batches``: each batch is an array of windows
     ``[batch, seq_len + 1]`` (all tokens scored) or a dict with ``inputs``, ``targets`` ``[batch, seq_len]``
     and optionally ``loss_mask``. A batch smaller than the first is padded (masked out) to its size, so one
-    compiled program serves all. Returns ``{"loss", "perplexity", "tokens", "batches"}``."""
+    compiled program serves all. ``progress(batches_done, tokens_scored, mean_loss_so_far)`` is called after
+    each batch. Returns ``{"loss", "perplexity", "tokens", "batches"}``."""
     vocab = model.cfg.vocab_size
     total, count, n, shape = 0.0, 0.0, 0, None
     for batch in batches:
@@ -79,6 +80,8 @@ def evaluate(model, batches: Iterable) -> dict:
         total += float(ce)
         count += float(c)
         n += 1
+        if progress is not None:
+            progress(n, int(count), total / max(count, 1.0))
     if count == 0:
         raise ValueError("evaluate: no tokens to score (the data is shorter than one window of seq_len + 1 "
                          "tokens?)")
@@ -123,6 +126,13 @@ def indexed_tokens(prefix: str) -> Iterator[np.ndarray]:
     ds = IndexedDataset(prefix)
     for i in range(len(ds)):
         yield ds.get(i)
+
+
+def num_batches(num_tokens: int, seq_len: int, batch_size: int, max_batches: Optional[int] = None) -> int:
+    """How many batches :func:`windows_from_tokens` yields for a stream of ``num_tokens`` tokens."""
+    windows = max(num_tokens - 1, 0) // seq_len
+    n = -(-windows // batch_size)
+    return n if max_batches is None else min(n, max_batches)
 
 
 def text_tokens(path: str, tokenizer) -> np.ndarray:

@@ -55,6 +55,7 @@ class TrainerCheckpoints:
                 ckpt.protect(step)
             self._step_count = step
             self._check_resumed_data()
+            self._check_tokenizer(self.meta, f"checkpoint step {step} in {ckpt.directory}", "data.tokenizer")
             self._restore_skipped()
             return step
         if steps:
@@ -62,6 +63,8 @@ class TrainerCheckpoints:
         if c.load_weights:
             t0 = time.perf_counter()
             params, meta = load_params(c.load_weights, self.spec.abstract_state["params"])
+            self._check_tokenizer(meta, c.load_weights, "checkpoint.load_weights")
+            self.meta = {"max_positions": meta.get("max_positions")}  # what the weights were trained for
             opt_init = jax.jit(self.tx.init, out_shardings=self.spec.state_shardings["opt_state"])
             step0 = jax.device_put(np.zeros((), np.int32), self.spec.state_shardings["step"])
             self.state = {"step": step0, "params": params, "opt_state": opt_init(params)}
@@ -80,6 +83,38 @@ class TrainerCheckpoints:
             raise CheckpointError(f"checkpoint step {step} in {ckpt.directory}: non-finite values (NaN or Inf) in "
                                   f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
         return state, meta
+
+    def _check_tokenizer(self, meta: dict, what: str, field: str) -> None:
+        """The checkpoint's tokenizer must be data.tokenizer (``data.allow_tokenizer_mismatch`` overrides)."""
+        from jaxtron.data import tokenizer_record
+
+        rec = meta.get("tokenizer")
+        run = tokenizer_record.run_record(self.cfg.data)
+        if rec is None and meta.get("source") == "hf" and self.cfg.model.vocab_size != run["vocab_size"]:
+            log.warning("%s records no tokenizer (its Hugging Face folder had none) and model.vocab_size=%d, but "
+                        "data.tokenizer=%s has %d ids: check that the data was prepared with the model's tokenizer",
+                        what, self.cfg.model.vocab_size, self.cfg.data.tokenizer, run["vocab_size"])
+            return
+        tokenizer_record.check_match(run, rec, what, self.cfg.data.allow_tokenizer_mismatch, field)
+
+    def _tokenizer_meta(self, ckpt: Checkpointer) -> dict:
+        """The meta entries that let generate/evaluate/export-hf use the model without being told how: the
+        tokenizer's record (its files copied into the checkpoint directory once) and the longest sequence
+        the model was trained on (``max_positions``: RoPE has no table, so this is the honest limit)."""
+        from jaxtron.data import tokenizer_record
+
+        rec = tokenizer_record.run_record(self.cfg.data)
+        if jax.process_index() == 0:
+            try:
+                rec = tokenizer_record.copy_into(ckpt.directory, rec)
+            except OSError as err:  # the checkpoint is worth more than the copy: record the identity only
+                log.warning("could not copy the tokenizer into %s (%s); the checkpoint records its path and hash",
+                            ckpt.directory, err)
+        else:  # every process writes the same meta
+            rec = {**rec, "copy": os.path.join(f"tokenizer-{rec['sha256'][:12]}", rec["file"])} if rec["sha256"] \
+                else rec
+        before = self.meta.get("max_positions") or 0
+        return {"tokenizer": rec, "max_positions": max(int(before), self.cfg.data.seq_len)}
 
     def _restore_skipped(self) -> None:
         self.skipped = {k: int(self.meta.get(k, 0)) for k in ("skipped_total", "skipped_in_a_row")}
@@ -105,7 +140,7 @@ class TrainerCheckpoints:
             return False
         t0 = time.perf_counter()
         started = ckpt.save(step, self.state, {"data": self._data_state(step), **self.skipped,
-                                               "config": config_lib.to_yaml(self.cfg)})
+                                               **self._tokenizer_meta(ckpt), "config": config_lib.to_yaml(self.cfg)})
         if started:
             log.info("checkpoint step %d: save started, blocked %.3f s", step, time.perf_counter() - t0)
         return started
