@@ -62,12 +62,12 @@ def _cfg(*overrides: str) -> config_lib.Config:
 @pytest.fixture(scope="module")
 def trained(bpe, tmp_path_factory):
     """A checkpoint directory of one step on the BPE data (data.seq_len=16)."""
-    from jaxtron.train.loop import run
+    from jaxtron.train.loop import Trainer  # not run(): its log handler would hide records from caplog elsewhere
 
     path, prefix = bpe
     out = str(tmp_path_factory.mktemp("run"))
-    run(_cfg("data.source=indexed", f"data.paths={prefix}", "data.split=90,10,0", f"data.tokenizer={path}",
-             f"train.output_dir={out}"))
+    Trainer(_cfg("data.source=indexed", f"data.paths={prefix}", "data.split=90,10,0", f"data.tokenizer={path}",
+             f"train.output_dir={out}")).train()
     return os.path.join(out, "checkpoints")
 
 
@@ -158,11 +158,11 @@ def test_evaluate_uses_checkpoint_seq_len_and_shows_progress(trained, tmp_path, 
 
 def test_finetune_with_other_tokenizer_is_an_error(bpe, trained, tmp_path):
     """Loading the BPE-trained weights for a run on the byte-level built-in corpus stops, naming the field."""
-    from jaxtron.train.loop import run
+    from jaxtron.train.loop import Trainer
 
     with pytest.raises(ConfigError) as info:
-        run(_cfg(f"checkpoint.load_weights={trained}", f"train.output_dir={tmp_path}",
-                 "data.max_corpus_bytes=2000000"))
+        Trainer(_cfg(f"checkpoint.load_weights={trained}", f"train.output_dir={tmp_path}",
+                     "data.max_corpus_bytes=2000000")).train()
     msg = str(info.value)
     assert msg.startswith("checkpoint.load_weights: ") and "byte" in msg and "tokenizer.json" in msg
     assert "\n" not in msg
