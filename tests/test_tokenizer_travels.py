@@ -166,6 +166,11 @@ def test_finetune_with_other_tokenizer_is_an_error(bpe, trained, tmp_path):
     msg = str(info.value)
     assert msg.startswith("checkpoint.load_weights: ") and "byte" in msg and "tokenizer.json" in msg
     assert "\n" not in msg
+    # resuming it with another data.tokenizer too
+    with pytest.raises(ConfigError) as info:
+        Trainer(_cfg(f"checkpoint.dir={trained}", "train.steps=2", f"train.output_dir={tmp_path}",
+                     "data.max_corpus_bytes=2000000")).train()
+    assert str(info.value).startswith("data.tokenizer: checkpoint step 1 in ") and "tokenizer.json" in str(info.value)
 
 
 def test_export_and_import_carry_the_tokenizer(bpe, trained, tmp_path):
