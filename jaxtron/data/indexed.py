@@ -171,7 +171,7 @@ class IndexedDatasetWriter:
         self._tmp_idx = idx_path(prefix) + f".tmp{os.getpid()}"
         self._bin = open(self._tmp_bin, "wb")
         self._lengths: list[int] = []
-        self._doc_sizes: list[int] = []  # sequences per document (1 each, as in Megatron)
+        self._doc_sizes: list[int] = []  # sequences per document (1 each, 0 for an empty one, as in Megatron)
         self._finalized = False
 
     def add_document(self, tokens) -> None:
@@ -184,8 +184,11 @@ class IndexedDatasetWriter:
             if lo < info.min or hi > info.max:
                 raise ValueError(f"token ids {lo}..{hi} do not fit in {self.dtype.name} ({self.prefix})")
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
-        self._lengths.append(int(arr.size))
-        self._doc_sizes.append(1)
+        # an empty document is recorded as Megatron's preprocessing records it: a document of no sequences
+        # (document_indices repeats, e.g. [0, 1, 1, 2]); GPTDataset never sees it
+        if arr.size:
+            self._lengths.append(int(arr.size))
+        self._doc_sizes.append(1 if arr.size else 0)
 
     def _add_index(self, lengths: np.ndarray, doc_indices: np.ndarray) -> None:
         base = len(self._lengths)
