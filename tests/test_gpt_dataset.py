@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxtron.data.blending import BlendedDataset, build_blend_index, parse_data_paths
+from jaxtron.data.blending import BlendedDataset, build_blend_index, parse_data_paths, samples_per_dataset
 from jaxtron.data.gpt_dataset import (GPTDataset, build_sample_index, cache_paths, make_batch_fields,
                                       split_documents)
 from jaxtron.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -68,10 +68,11 @@ def test_epochs_reshuffle():
     lengths = np.full(100, 10)
     idx = build_sample_index(lengths, np.arange(100), 10, 350, seed=1)  # 3501 tokens -> 4 epochs
     assert idx.num_epochs == 4
-    epochs = idx.document_index.reshape(4, 100)
-    for e in epochs:
-        assert sorted(e.tolist()) == list(range(100))
-    assert len({tuple(e) for e in epochs}) == 4
+    # Megatron shuffles all epochs as one array (the last one is used 0.5%: shuffled on its own after them)
+    assert idx.separate_final_epoch
+    np.testing.assert_array_equal(np.bincount(idx.document_index[:300]), np.full(100, 3))
+    assert sorted(idx.document_index[300:].tolist()) == list(range(100))
+    assert any(sorted(e.tolist()) != list(range(100)) for e in idx.document_index[:300].reshape(3, 100))
     # exactly enough epochs: one fewer would not hold num_samples * seq_len + 1 tokens
     assert build_sample_index(lengths, np.arange(100), 10, 99, 1).num_epochs == 1
     assert build_sample_index(lengths, np.arange(100), 10, 100, 1).num_epochs == 2
@@ -108,13 +109,12 @@ def test_deterministic_and_cache(tmp_path):
 
 def test_split_documents():
     assert split_documents(1000, "969,30,1") == {"train": (0, 969), "valid": (969, 999), "test": (999, 1000)}
-    assert split_documents(10, "1") == {"train": (0, 10), "valid": (10, 10), "test": (10, 10)}
-    assert split_documents(10, "50,50") == {"train": (0, 5), "valid": (5, 10), "test": (10, 10)}
+    assert split_documents(10, "1") == {"train": (0, 10), "valid": None, "test": None}  # weight 0: none
+    assert split_documents(10, "50,50") == {"train": (0, 5), "valid": (5, 10), "test": None}
     for n in (0, 1, 7, 99, 12345):
         r = split_documents(n, "98,2,0")
-        assert r["train"][0] == 0 and r["test"][1] == n
-        assert r["train"][1] == r["valid"][0] and r["valid"][1] == r["test"][0]
-        assert all(a <= b for a, b in r.values())
+        assert r["train"][0] == 0 and r["valid"][1] == n and r["test"] is None
+        assert r["train"][1] == r["valid"][0]
     for bad in ("a,b", "1,2,3,4", "-1,2", "0,0,0", ""):
         with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(")):
             split_documents(100, bad)
@@ -142,7 +142,7 @@ def test_reset_and_eod_options():
     np.testing.assert_array_equal(f["inputs"][0], [3, 4, 0, 5, 6, 0, 7])
     np.testing.assert_array_equal(f["positions"][0], [0, 1, 2, 0, 1, 2, 0])
     np.testing.assert_array_equal(f["segment_ids"][0], [1, 1, 1, 2, 2, 2, 3])
-    np.testing.assert_array_equal(f["loss_mask"][0], [1, 0, 1, 1, 0, 1, 1])
+    np.testing.assert_array_equal(f["loss_mask"][0], [1, 1, 0, 1, 1, 0, 1])  # where the INPUT is EOD
     g = make_batch_fields(win, reset_position_ids=True)
     np.testing.assert_array_equal(g["segment_ids"][0], np.ones(7))
     np.testing.assert_array_equal(g["positions"][0], [0, 1, 2, 0, 1, 2, 0])
@@ -163,7 +163,7 @@ def test_dataset_options_applied(tmp_path):
         item = ds[i]
         for k in ref:
             np.testing.assert_array_equal(item[k], ref[k][0])
-        assert (item["loss_mask"][item["targets"] == 0] == 0).all()
+        assert (item["loss_mask"][item["inputs"] == 0] == 0).all()
 
 
 def test_large_synthetic_index_fast():
@@ -228,7 +228,7 @@ def test_blend_greedy_rule():
     di, _ = build_blend_index(w, 500)
     counts = np.zeros(3)
     for i in range(500):
-        err = w * (i + 1) - counts
+        err = w * max(i, 1) - counts  # Megatron's max(sample_idx, 1.0)
         assert di[i] == int(np.argmax(err))
         counts[di[i]] += 1
 
@@ -241,7 +241,7 @@ def test_blended_dataset(tmp_path):
     vals = [bl[i] for i in range(100)]
     assert sum(v < 1000 for v in vals) == 25
     assert [v for v in vals if v < 1000] == list(range(25))
-    assert BlendedDataset.samples_needed([1, 3], 100) == [25, 75]
+    assert samples_per_dataset([0.25, 0.75], 100, 0.005) == [26, 76]  # ceil(ceil(size * w) * 1.005)
     with pytest.raises(ValueError, match="needs"):
         BlendedDataset([a[:10], b], [1, 3], 100)
 
@@ -252,7 +252,8 @@ def test_parse_data_paths():
     assert [p for _, p in r] == ["A", "B"] and np.allclose([w for w, _ in r], [0.3, 0.7])
     r = parse_data_paths("3 A 1 B")
     assert np.allclose([w for w, _ in r], [0.75, 0.25])
-    with pytest.raises(ValueError, match="'B'"):
+    assert parse_data_paths("A B") == [(0.5, "A"), (0.5, "B")]
+    with pytest.raises(ValueError, match="'0.3'"):
         parse_data_paths("0.3 A B")
     with pytest.raises(ValueError, match="'abc'"):
         parse_data_paths("abc A 0.5 B")

@@ -36,7 +36,7 @@ def prefixes(golden, tmp_path_factory):
             lengths, tokens = golden[f"docs/{name}/lengths"], golden[f"docs/{name}/tokens"]
             w = IndexedDatasetWriter(str(root / name), np.uint16)
             for doc in np.split(tokens, np.cumsum(lengths)[:-1]):
-                w.add_document(doc)
+                w.add_document(doc) if len(doc) else w.add_empty_document()
             w.finalize()
             out[name] = str(root / name)
     return out

@@ -127,6 +127,16 @@ class DataConfig:
     paths: Optional[str] = _f(None, "indexed: 'PREFIX' or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' "
                                     "(Megatron's --data-path).")
     split: str = _f("969,30,1", "indexed: train,valid,test weights over the documents (Megatron's --split).")
+    train_paths: Optional[str] = _f(None, "indexed: the train split's own blend, all its documents (Megatron's "
+                                          "--train-data-path); with valid_paths instead of paths and split.")
+    valid_paths: Optional[str] = _f(None, "indexed: the validation split's own blend (--valid-data-path).")
+    test_paths: Optional[str] = _f(None, "indexed: the test split's own blend (--test-data-path; unused by "
+                                         "training).")
+    mid_level_dataset_surplus: float = _f(0.005, "indexed, weighted blends: each prefix is asked for this "
+                                                 "fraction more samples than its share (Megatron's "
+                                                 "--mid-level-dataset-surplus).")
+    seed: int = _f(1234, "Seed of the data order (document and sample shuffles), Megatron's --seed and its "
+                         "default; train.seed seeds the parameters.")
     eod_id: Optional[int] = _f(None, "indexed: the end-of-document token id; default data.tokenizer's (byte: 0).")
     tokenizer: str = _f("byte", "The tokenizer the data was prepared with: 'byte' (vocab 256, token 0 = end of "
                                 "document; the built-in corpus's), a Hugging Face tokenizer.json or a "
@@ -141,9 +151,14 @@ class DataConfig:
     max_corpus_bytes: int = _f(16 * 2**20, "builtin: read at most this many bytes of sources.")
     cache_dir: Optional[str] = _f(None, "builtin: where its .bin/.idx files are prepared once (default "
                                         "$JAXTRON_CACHE_DIR or ~/.cache/jaxtron).")
-    reset_at_eod: bool = _f(False, "Restart positions and block attention at end-of-document tokens (the batch's "
-                                   "segment_ids); false: plain causal attention over the whole sequence.")
-    eod_mask_loss: bool = _f(False, "Do not train on predicting the end-of-document token.")
+    reset_position_ids: bool = _f(False, "Positions restart after each end-of-document token (Megatron's "
+                                         "--reset-position-ids); needs reset_attention_mask.")
+    reset_attention_mask: bool = _f(False, "Attention blocked between documents packed in one sequence, i.e. "
+                                           "after each end-of-document token (--reset-attention-mask; the "
+                                           "batch's segment_ids); false: causal over the whole sequence.")
+    reset_at_eod: bool = _f(False, "Shorthand for reset_position_ids and reset_attention_mask together.")
+    eod_mask_loss: bool = _f(False, "No loss where the input token is the end-of-document token, i.e. on "
+                                    "predicting a document's first token (Megatron's --eod-mask-loss).")
 
 
 @dataclass

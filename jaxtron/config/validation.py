@@ -94,7 +94,17 @@ def _validate_optim(cfg: Config) -> None:
 def _validate_data(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
     _one_of(cfg, "data.source", ("builtin", "indexed"))
-    check(d.source != "indexed" or bool(d.paths), "data.paths", "required when data.source=indexed")
+    per_split = bool(d.train_paths or d.valid_paths or d.test_paths)
+    check(d.source != "indexed" or bool(d.paths) or per_split, "data.paths",
+          "required when data.source=indexed (or data.train_paths and data.valid_paths)")
+    check(not (d.paths and per_split), "data.paths", "give either data.paths (cut by data.split) or "
+          "data.train_paths/valid_paths/test_paths, not both (as Megatron's --data-path)")
+    check(d.mid_level_dataset_surplus >= 0, "data.mid_level_dataset_surplus",
+          f"must be >= 0, got {d.mid_level_dataset_surplus}")
+    # the attention masks causally by position within a segment, so positions that restart inside one
+    # segment would let tokens see later documents: reset positions only together with the mask
+    check(not d.reset_position_ids or d.reset_attention_mask or d.reset_at_eod, "data.reset_position_ids",
+          "needs data.reset_attention_mask=true (positions restart per document only where attention does)")
     check(d.tokenizer == "byte" or os.path.exists(d.tokenizer), "data.tokenizer",
           f"{d.tokenizer!r}: no such file (give 'byte', a tokenizer.json or a SentencePiece .model)")
     check(d.eod_id is None or d.eod_id >= 0, "data.eod_id", f"must be >= 0, got {d.eod_id}")

@@ -69,6 +69,8 @@ class IndexedCorpus:
                                          surplus=d.mid_level_dataset_surplus, open_prefix=open_prefix,
                                          reset_position_ids=reset_pos, reset_attention_mask=reset_mask,
                                          eod_mask_loss=d.eod_mask_loss, eod_id=eod_id)
+        except ConfigError:
+            raise
         except DataError as err:
             raise ConfigError(err.field, str(err)) from None
         except ValueError as err:

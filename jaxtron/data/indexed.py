@@ -171,7 +171,7 @@ class IndexedDatasetWriter:
         self._tmp_idx = idx_path(prefix) + f".tmp{os.getpid()}"
         self._bin = open(self._tmp_bin, "wb")
         self._lengths: list[int] = []
-        self._doc_sizes: list[int] = []  # sequences per document (1 each, 0 for an empty one, as in Megatron)
+        self._doc_sizes: list[int] = []  # sequences per document (1 each; 0: add_empty_document)
         self._finalized = False
 
     def add_document(self, tokens) -> None:
@@ -184,11 +184,13 @@ class IndexedDatasetWriter:
             if lo < info.min or hi > info.max:
                 raise ValueError(f"token ids {lo}..{hi} do not fit in {self.dtype.name} ({self.prefix})")
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
-        # an empty document is recorded as Megatron's preprocessing records it: a document of no sequences
-        # (document_indices repeats, e.g. [0, 1, 1, 2]); GPTDataset never sees it
-        if arr.size:
-            self._lengths.append(int(arr.size))
-        self._doc_sizes.append(1 if arr.size else 0)
+        self._lengths.append(int(arr.size))
+        self._doc_sizes.append(1)
+
+    def add_empty_document(self) -> None:
+        """A document of no sequences, as Megatron's preprocess_data.py records a text that tokenizes to nothing
+        (``document_indices`` repeats, e.g. ``[0, 1, 1, 2]``); GPTDataset never sees it."""
+        self._doc_sizes.append(0)
 
     def _add_index(self, lengths: np.ndarray, doc_indices: np.ndarray) -> None:
         base = len(self._lengths)

@@ -32,7 +32,10 @@ Inputs, by file name:
   *.jsonl, *.json, *.jsonl.gz, *.json.gz   one JSON object per line; the document text is under --json-key
                                            (blank lines are skipped)
   anything else (e.g. *.txt, *.txt.gz)     plain UTF-8 text: each file is ONE document
-Documents whose text tokenizes to nothing are skipped (as in Megatron-LM)."""
+A document whose text tokenizes to nothing is kept as an empty document (as Megatron-LM's preprocess_data.py
+keeps it: in the .idx document list, with no sequence). With a tokenizer.json the tokenizer's own special
+tokens are added (e.g. a BOS from its post-processor), as Megatron's HuggingFace tokenizer does; the
+end-of-document id is its eos_token (tokenizer_config.json) unless --eod-token names another."""
 
 
 class InputError(ValueError):
@@ -81,10 +84,30 @@ _TOK = None
 _OPTS: dict = {}
 
 
-def _init_worker(tokenizer_spec: str, json_key: str, append_eod: bool, dtype_name: str) -> None:
+def _load(tokenizer_spec: str, eod_token, special_tokens: bool):
+    tok = load_tokenizer(tokenizer_spec, eod_token)
+    if hasattr(tok, "add_special_tokens"):
+        tok.add_special_tokens = special_tokens
+    return tok
+
+
+def _init_worker(tokenizer_spec: str, json_key: str, append_eod: bool, dtype_name: str, eod_token=None,
+                 special_tokens: bool = True, add_bos: bool = False) -> None:
     global _TOK, _OPTS
-    _TOK = load_tokenizer(tokenizer_spec)
-    _OPTS = {"json_key": json_key, "append_eod": append_eod, "dtype": np.dtype(dtype_name)}
+    _TOK = _load(tokenizer_spec, eod_token, special_tokens)
+    _OPTS = {"json_key": json_key, "append_eod": append_eod, "dtype": np.dtype(dtype_name), "add_bos": add_bos}
+
+
+def _finish(ids: np.ndarray) -> np.ndarray:
+    """BOS (--add-bos, where the tokenizer did not put one) and EOD (--append-eod) around a non-empty document;
+    an empty one stays empty, as in Megatron's preprocess_data.py."""
+    if not ids.size:
+        return ids
+    if _OPTS["add_bos"] and ids[0] != _TOK.bos:
+        ids = np.concatenate([np.asarray([_TOK.bos], ids.dtype), ids])
+    if _OPTS["append_eod"]:
+        ids = np.append(ids, np.asarray(_TOK.eod, dtype=ids.dtype))
+    return ids
 
 
 def _encode(text: str) -> np.ndarray:
@@ -93,9 +116,7 @@ def _encode(text: str) -> np.ndarray:
         ids = np.frombuffer(_TOK.encode_bytes(text), dtype=np.uint8).astype(dtype)
     else:
         ids = np.asarray(_TOK.encode(text), dtype=dtype)
-    if _OPTS["append_eod"] and ids.size:
-        ids = np.append(ids, np.asarray(_TOK.eod, dtype=dtype))
-    return ids
+    return _finish(ids)
 
 
 def _process(task: tuple):
@@ -127,10 +148,7 @@ def _process(task: tuple):
     if hasattr(_TOK, "encode_batch") and not hasattr(_TOK, "encode_bytes"):
         dtype = _OPTS["dtype"]
         for ids in _TOK.encode_batch(texts):
-            ids = np.asarray(ids, dtype=dtype)
-            if _OPTS["append_eod"] and ids.size:
-                ids = np.append(ids, np.asarray(_TOK.eod, dtype=dtype))
-            docs.append(ids)
+            docs.append(_finish(np.asarray(ids, dtype=dtype)))
     else:
         docs.extend(_encode(t) for t in texts)
     return docs, nbytes, None
@@ -146,7 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a SentencePiece .model")
     p.add_argument("--json-key", default="text", help="JSON field holding the document text (default: text)")
     p.add_argument("--append-eod", action="store_true", help="append the tokenizer's end-of-document id to "
-                                                               "every document")
+                                                               "every non-empty document")
+    p.add_argument("--eod-token", default=None, metavar="TOKEN",
+                   help="tokenizer.json: the end-of-document token (default: its eos_token)")
+    p.add_argument("--no-special-tokens", action="store_true",
+                   help="tokenizer.json: leave out the tokenizer's own special tokens (Megatron's "
+                        "--tokenizer-hf-no-include-special-tokens)")
+    p.add_argument("--add-bos", action="store_true",
+                   help="start every non-empty document with the tokenizer's BOS where it does not already")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -158,12 +183,15 @@ def _fail(msg: str) -> int:
 
 
 def prepare(inputs: Sequence[str], output_prefix: str, tokenizer: str = "byte", *, json_key: str = "text",
-            append_eod: bool = False, workers: int = 1, progress: bool = False) -> dict:
+            append_eod: bool = False, workers: int = 1, progress: bool = False, eod_token: str | None = None,
+            special_tokens: bool = True, add_bos: bool = False) -> dict:
     """Tokenize ``inputs`` (JSONL(.gz) files with the text under ``json_key``, or plain text files, one
     document each) into ``<output_prefix>.bin`` / ``.idx`` (Megatron-LM's layout; see ``DESCRIPTION``).
 
     ``tokenizer``: ``byte``, a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model``;
-    ``append_eod`` adds its end-of-document id after every document; ``workers`` tokenizer processes.
+    ``append_eod`` adds its end-of-document id (``eod_token``, default its eos_token) after every non-empty
+    document; ``special_tokens``: the tokenizer's own (e.g. a BOS from a tokenizer.json's post-processor), as
+    Megatron's HuggingFace tokenizer; ``add_bos`` puts its BOS first where it is not; ``workers`` processes.
     Also writes ``<output_prefix>.meta.json``, the tokenizer's record (``jaxtron.data.tokenizer_record``).
     Returns ``{"bin", "idx", "documents", "tokens", "dtype", "input_bytes", "seconds"}``. Raises
     :class:`InputError` (a ValueError) naming the file (and line) on bad input; nothing is left behind then."""
@@ -177,15 +205,17 @@ def prepare(inputs: Sequence[str], output_prefix: str, tokenizer: str = "byte", 
         if not os.path.isfile(path):
             raise InputError(f"{path}: input file not found")
     try:
-        tok = load_tokenizer(tokenizer)
+        tok = _load(tokenizer, eod_token, special_tokens)
     except TokenizerError as e:
         raise InputError(str(e)) from None
+    if add_bos and getattr(tok, "bos", None) is None:
+        raise InputError(f"--add-bos: the tokenizer {tokenizer} has no BOS token")
     dtype = np.dtype(best_dtype(tok.vocab_size))
     total_in = sum(os.path.getsize(p) for p in inputs)
 
     t0 = time.perf_counter()
     writer = IndexedDatasetWriter(output_prefix, dtype)
-    init_args = (tokenizer, json_key, append_eod, dtype.name)
+    init_args = (tokenizer, json_key, append_eod, dtype.name, eod_token, special_tokens, add_bos)
     pool = None
     n_docs = n_tokens = n_bytes = 0
     bar = None
@@ -207,8 +237,10 @@ def prepare(inputs: Sequence[str], output_prefix: str, tokenizer: str = "byte", 
             for ids in docs:
                 if ids.size:
                     writer.add_document(ids)
-                    n_docs += 1
-                    n_tokens += int(ids.size)
+                else:  # kept, as Megatron's preprocessing keeps it: a document with no sequence
+                    writer.add_empty_document()
+                n_docs += 1
+                n_tokens += int(ids.size)
             n_bytes += nbytes
             if bar is not None:
                 bar.update(nbytes)
@@ -235,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         out = prepare(args.input, args.output_prefix, args.tokenizer, json_key=args.json_key,
-                      append_eod=args.append_eod, workers=args.workers, progress=not args.no_progress)
+                      append_eod=args.append_eod, workers=args.workers, progress=not args.no_progress,
+                      eod_token=args.eod_token, special_tokens=not args.no_special_tokens, add_bos=args.add_bos)
     except InputError as e:
         return _fail(str(e))
     mb = out["input_bytes"] / 1e6

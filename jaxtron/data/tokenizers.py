@@ -67,9 +67,11 @@ class HFTokenizer:
         return None
 
     def _find_eod(self, path: str, eod_token: str | None) -> int:
-        names = (eod_token,) if eod_token else _EOD_NAMES
+        # Megatron's HuggingFace tokenizer uses its eos_token (tokenizer_config.json) as EOD: that first, then
+        # the usual names (a tokenizer.json alone declares no eos)
+        names = (eod_token,) if eod_token else (_config_token(path, "eos_token"),) + _EOD_NAMES
         for name in names:
-            i = self._tok.token_to_id(name)
+            i = self._tok.token_to_id(name) if name else None
             if i is not None:
                 return int(i)
         if eod_token:
@@ -88,11 +90,15 @@ class HFTokenizer:
         raise TokenizerError(f"{path}: no end-of-document token found (tried {', '.join(_EOD_NAMES)}); "
                              f"add one to the vocabulary")
 
+    # the tokenizer's own special tokens (its post-processor, e.g. a BOS); prepare turns them on by default, as
+    # Megatron's HuggingFace tokenizer (``tokenizer(text).input_ids``) has them
+    add_special_tokens = False
+
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=self.add_special_tokens)]
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids))
