@@ -10,6 +10,7 @@ Beside it: ``training.py`` (the loop of :meth:`Trainer.train`), ``checkpoints.py
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -241,12 +242,19 @@ class Trainer(TrainerLoop, TrainerCheckpoints):
                      p.pipeline_schedule, lay.stages, virtual, lay.accumulation_steps, 100 * lay.bubble)
 
     # ------------------------------------------------------------------------------------ train / eval
-    def evaluate(self, data=None) -> float:
+    def evaluate(self, data=None, step: int | None = None) -> float:
         """Mean held-out cross entropy per token over ``train.eval_batches`` batches of ``data`` (default:
-        :attr:`data`)."""
+        :attr:`data`). With ``step``, the evaluation after that step reads the validation batches Megatron's
+        would (each evaluation continues where the last one stopped; ``data.corpus.valid_start_batch``)."""
+        from jaxtron.data.corpus import valid_start_batch
+
         data = data if data is not None else self.data
+        t = self.cfg.train
+        start = valid_start_batch(step, t.eval_every, t.eval_batches) if step else 0
+        # data sources of the two-argument protocol (no ``start``) read their first batches at every evaluation
+        kw = {"start": start} if start and "start" in inspect.signature(data.valid_batches).parameters else {}
         total, count = 0.0, 0.0
-        for b in data.valid_batches(self.cfg.train.eval_batches, self.cfg.train.global_batch_size):
+        for b in data.valid_batches(t.eval_batches, t.global_batch_size, **kw):
             out = self.eval_step(self.state["params"], put_batch(b, self.batch_sharding))
             total += float(out["loss_sum"])
             count += float(out["tokens"])

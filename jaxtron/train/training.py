@@ -123,7 +123,7 @@ class TrainerLoop:
                             f"loss or gradient norm (train.max_skipped_steps={t.max_skipped_steps})"
                             + self._saved_note(ckpt, done))
                     if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-                        loss = self.evaluate(data)
+                        loss = self.evaluate(data, step=done)
                         result.eval_losses.append((done, loss))
                         writer.write(done, {"eval_loss": loss})
                         log.info("step %d: held-out loss %.4f", done, loss)
