@@ -18,3 +18,18 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` run first, so the 2 xdist workers do not end the suite waiting on one long test
     (the Python 3.12 Mosaic run alone takes about 4 minutes). The order is otherwise unchanged."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _jaxtron_logger_restored():
+    """run() gives the "jaxtron" logger its own stderr handler and stops propagation; without this, whether a
+    later test's caplog sees jaxtron's records would depend on which tests ran before it on the same worker."""
+    logger = logging.getLogger("jaxtron")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]

@@ -215,8 +215,10 @@ def test_prepare_data_api(tmp_path):
     docs = tmp_path / "docs.jsonl"
     docs.write_text("\n".join(json.dumps({"text": t}) for t in ["hello world", "second doc", ""]) + "\n")
     out = jaxtron.prepare_data([str(docs)], str(tmp_path / "corpus"), "byte", append_eod=True)
-    assert out["documents"] == 2 and out["tokens"] == len("hello world") + len("second doc") + 2
+    # the empty document is kept as a document of no sequences, as Megatron's preprocess_data.py records it
+    assert out["documents"] == 3 and out["tokens"] == len("hello world") + len("second doc") + 2
     ds = jaxtron.IndexedDataset(str(tmp_path / "corpus"))
+    assert len(ds) == 2
     assert ds.get(0)[:-1].astype(np.uint8).tobytes() == b"hello world" and ds.get(0)[-1] == 0
     from jaxtron.data.prepare import InputError
     with pytest.raises(InputError, match="missing.jsonl: input file not found"):

@@ -69,7 +69,9 @@ def test_builtin_corpus_packing_and_masks():
     t = 1 + int(np.nonzero(b["inputs"][r, 1:-1] == 0)[0][0])
     assert b["segment_ids"][r, t + 1] == b["segment_ids"][r, t] + 1  # a new document starts after EOD
     assert b["positions"][r, t + 1] == 0
-    assert b["loss_mask"][r, t - 1] == 0.0  # predicting EOD is masked
+    # Megatron's --eod-mask-loss: no loss where the input token is EOD (predicting the next document's first
+    # token); predicting the EOD itself keeps its loss
+    assert b["loss_mask"][r, t] == 0.0 and b["loss_mask"][r, t - 1] == 1.0
     valid = list(data.valid_batches(2, 1024))
     assert len(valid) == 2 and not np.array_equal(valid[0]["inputs"], valid[1]["inputs"])
 
