@@ -5,7 +5,9 @@
 #
 # The machine's CPU devices are split among the processes: each gets D (default 8/N) virtual CPU devices, so
 # the global mesh has N*D devices (parallel.* sizes are global). Set JAXTRON_LAUNCH_MODULE to run another
-# module than jaxtron.train. If any process fails, the others are stopped and its exit status is returned.
+# module than jaxtron.train. If any process fails, the others are stopped (SIGTERM, then SIGKILL after
+# JAXTRON_LAUNCH_GRACE_S, default 60) and its exit status is returned. SIGTERM/SIGINT to this script are passed
+# on the same way; after a clean preemption (every process saved and exited 0) it returns 0.
 set -euo pipefail
 
 usage() { echo "usage: $0 N [--devices D] -- [jaxtron.train arguments ...]" >&2; exit 2; }
@@ -18,9 +20,24 @@ python=${PYTHON:-python}
 module=${JAXTRON_LAUNCH_MODULE:-jaxtron.train}
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
+grace=${JAXTRON_LAUNCH_GRACE_S:-60}
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
-trap cleanup INT TERM
+stopping=0
+# Stop the children: SIGTERM (they save a checkpoint and exit), then SIGKILL whatever is left after the grace
+# period (a stopped or hung child never acts on SIGTERM).
+stop_children() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  ( sleep "$grace"; for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done ) &
+  killer=$!
+}
+on_signal() {
+  (( stopping )) && return
+  stopping=1
+  echo "launch_local.sh: $1: asking the processes to save and stop (SIGKILL after ${grace} s)" >&2
+  stop_children
+}
+trap 'on_signal SIGTERM' TERM
+trap 'on_signal SIGINT' INT
 
 for (( i = 0; i < n; i++ )); do
   JAX_PLATFORMS=cpu \
@@ -31,17 +48,25 @@ for (( i = 0; i < n; i++ )); do
 done
 
 status=0
-remaining=$n
-while (( remaining > 0 )); do
+running=("${pids[@]}")
+while (( ${#running[@]} > 0 )); do
   set +e
-  wait -n
+  done_pid=""
+  wait -n -p done_pid "${running[@]}"
   rc=$?
   set -e
-  remaining=$(( remaining - 1 ))
+  [[ -z "${done_pid:-}" ]] && continue  # a trapped signal interrupted the wait: no child ended
+  left=()
+  for p in "${running[@]}"; do [[ "$p" != "$done_pid" ]] && left+=("$p"); done
+  running=("${left[@]}")
   if (( rc != 0 && status == 0 )); then
     status=$rc
-    echo "launch_local.sh: a process exited with status $rc; stopping the others" >&2
-    cleanup
+    if (( ! stopping )); then
+      stopping=1
+      echo "launch_local.sh: process $done_pid exited with status $rc; stopping the others" >&2
+      stop_children
+    fi
   fi
 done
+[[ -n "${killer:-}" ]] && kill "$killer" 2>/dev/null || true
 exit $status

@@ -78,14 +78,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_dead_process_stops_the_other_with_an_error(tmp_path):
+@pytest.mark.parametrize("fault,victim", [("SIGKILL", 1), ("SIGSTOP", 1), ("SIGSTOP", 0)])
+def test_a_lost_process_stops_the_other_with_one_error_line(tmp_path, fault, victim):
+    """A killed peer (its connections close: the next collective fails, and the watchdog names the process
+    whose beats stopped) or a stopped one (silent: jaxtron's watchdog sees its beats, or process 0's
+    coordination service, stop for train.collective_timeout_s) ends the survivor with one ``error:`` line,
+    exit status 75, no C++ abort, in seconds rather than JAX's heartbeat timeout."""
     out = str(tmp_path / "run")
     port = _free_port()
     procs = []
     for pid in range(2):
         env = _env(4, JAXTRON_COORDINATOR=f"127.0.0.1:{port}", JAXTRON_NUM_PROCESSES="2", JAXTRON_PROCESS_ID=str(pid))
         cmd = [sys.executable, "-m", "jaxtron.train", *COMMON, "train.steps=100000", f"train.output_dir={out}",
-               "train.collective_timeout_s=10", "checkpoint.enabled=false"]
+               "train.collective_timeout_s=8", "checkpoint.enabled=false"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         metrics = os.path.join(out, "metrics.jsonl")
@@ -94,19 +99,88 @@ def test_a_dead_process_stops_the_other_with_an_error(tmp_path):
             assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
             assert time.time() - t0 < 300
             time.sleep(0.2)
-        procs[1].send_signal(signal.SIGKILL)
-        t_kill = time.time()
-        _, stderr = procs[0].communicate(timeout=120)
-        waited = time.time() - t_kill
+        procs[victim].send_signal(getattr(signal, fault))
+        t_fault = time.time()
+        survivor = procs[1 - victim]
+        _, stderr = survivor.communicate(timeout=120)
+        waited = time.time() - t_fault
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert procs[0].returncode != 0 and waited < 120
-    # JAX's distributed service names the lost process ("Task 1 heartbeat timeout" or "tasks are unhealthy
-    # (stopped sending heartbeats): 1", depending on which side notices first)
-    assert "another task died" in stderr, stderr[-3000:]
-    assert re.search(r"Task 1\b|stopped sending heartbeats\):\s*1\b", stderr), stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("[Gloo]")]
+    assert survivor.returncode == 75, stderr[-3000:]
+    assert "Check failure" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    if fault == "SIGSTOP" and victim == 1:
+        assert lines[-1] == ("error: process 1 of 2 stopped answering for 8 s (killed, crashed, stopped or its "
+                             "node lost); exiting"), stderr[-3000:]
+    elif fault == "SIGSTOP":
+        assert re.match(r"error: lost process 0 of 2 \(it hosts the coordination service", lines[-1]), stderr[-3000:]
+    else:
+        assert lines[-1].startswith("error: process 1 of 2 was lost (killed or crashed: its heartbeat stopped); "
+                                    "process 0's collective failed: "), stderr[-3000:]
+    assert waited < 40, waited  # JAX's own heartbeat timeout would be 8 + 30 s, then a C++ abort
+
+
+def _launch(out, *extra, grace=60):
+    cmd = [os.path.join(REPO, "scripts", "launch_local.sh"), "2", "--", *COMMON, "train.steps=100000",
+           "train.collective_timeout_s=8", f"train.output_dir={out}", *extra]
+    metrics = os.path.join(out, "metrics.jsonl")
+    rows = lambda: len(open(metrics).read().splitlines()) if os.path.exists(metrics) else 0  # noqa: E731
+    before = rows()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(4, PYTHON=sys.executable, JAXTRON_LAUNCH_GRACE_S=str(grace)))
+    t0 = time.time()
+    while rows() < before + 2:  # two training steps of this launch logged
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() - t0 < 300
+        time.sleep(0.2)
+    return proc
+
+
+def _children(pid) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def test_launch_local_passes_sigterm_on_and_kills_a_stopped_child(tmp_path):
+    """SIGTERM to launch_local.sh: both processes save at the same step and the script returns 0. A stopped
+    child: the other exits 75 (the watchdog), the script SIGKILLs the stopped one after its grace period and
+    returns 75 instead of waiting forever."""
+    out = str(tmp_path / "run")
+    proc = _launch(out)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()]
+    assert len(steps) == 1, steps
+    index = os.listdir(os.path.join(out, "checkpoints", steps[0], "params"))
+    assert {"index.p0.json", "index.p1.json"} <= set(index)
+
+    proc = _launch(out, grace=3)  # resumes from that checkpoint
+    try:
+        children = _children(proc.pid)
+        assert len(children) == 2, children
+        os.kill(children[1], signal.SIGSTOP)
+        t0 = time.time()
+        _, stderr = proc.communicate(timeout=120)
+        waited = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for c in children:
+            try:
+                os.kill(c, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "stopping the others" in stderr and waited < 60, (waited, stderr[-3000:])
+    assert all(subprocess.run(["ps", "-p", str(c), "-o", "stat="], capture_output=True, text=True).stdout.strip()
+               in ("", "Z") for c in children)
 
 
 @pytest.mark.parametrize("env,field", [

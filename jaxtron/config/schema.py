@@ -174,9 +174,9 @@ class TrainConfig:
     eval_batches: int = _f(4, "Batches of global_batch_size per evaluation.")
     peak_tflops: Optional[float] = _f(None, "Peak dense bf16 TFLOP/s per device for MFU; default from the "
                                             "known-GPU table, none on CPU.")
-    collective_timeout_s: int = _f(100, "Multi-process runs: a process that stops answering for this long "
-                                        "(crashed, hung, lost node) makes the others exit with an error "
-                                        "instead of waiting forever.")
+    collective_timeout_s: int = _f(60, "Multi-process runs: a process that stops answering for this long "
+                                       "(crashed, killed, stopped, lost node) makes the others exit with one "
+                                       "error line naming it (exit status 75) instead of waiting forever.")
     max_skipped_steps: int = _f(10, "A step whose loss or gradient norm is not finite is skipped (no update); "
                                     "after this many in a row the run saves a checkpoint and stops.")
     exit_after_steps: Optional[int] = _f(None, "Stop with a checkpoint after this many steps in this process "

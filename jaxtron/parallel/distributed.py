@@ -4,7 +4,8 @@ Explicit settings come from ``distributed.*`` config fields or the environment (
 ``JAXTRON_NUM_PROCESSES``, ``JAXTRON_PROCESS_ID``); under SLURM (``srun``, more than one task) or Open MPI
 (``mpirun``, more than one rank) JAX's own cluster detection finds them. A single process initializes
 nothing. XLA's collectives (NCCL on GPU, gloo on CPU) carry the traffic; the coordination service's heartbeats
-(``train.collective_timeout_s``) make every process exit with an error when one of them dies or hangs.
+and jaxtron's watchdog (:mod:`jaxtron.parallel.watchdog`, ``train.collective_timeout_s``) make every process
+exit with one ``error:`` line naming the lost process when one of them dies or hangs.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ def initialize(cfg: Config) -> int:
     mode = launch_mode(cfg)
     if mode == "single":
         return 1
+    # jaxtron's watchdog ends the run after collective_timeout_s with one line; JAX's heartbeats (which abort
+    # from C++) stay behind it as the last resort
     kwargs = dict(initialization_timeout=cfg.distributed.initialization_timeout_s,
-                  heartbeat_timeout_seconds=cfg.train.collective_timeout_s)
+                  heartbeat_timeout_seconds=cfg.train.collective_timeout_s + 30)
     if mode == "explicit":
         coordinator = _setting(cfg, "coordinator")
         num = _setting(cfg, "num_processes")
@@ -76,4 +79,44 @@ def initialize(cfg: Config) -> int:
     else:
         jax.distributed.initialize(**kwargs)  # JAX's SLURM / Open MPI cluster detection
     log.debug("joined %s run: process %d of %d", mode, jax.process_index(), jax.process_count())
+    _start_watchdog(cfg.train.collective_timeout_s)
     return jax.process_count()
+
+
+_WATCHDOG = None
+
+
+def _start_watchdog(timeout: float) -> None:
+    global _WATCHDOG
+    import jax
+    from jax._src import distributed as jax_distributed  # the client of the coordination service
+
+    from jaxtron.parallel.watchdog import PeerWatchdog
+
+    client = jax_distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return
+    _WATCHDOG = PeerWatchdog(client, jax.process_index(), jax.process_count(), timeout).start()
+
+
+def exit_lost_peer(message: str) -> None:
+    """End this process now with one ``error:`` line (exit status 75), telling the others first."""
+    import sys
+
+    from jaxtron.parallel.watchdog import EXIT_PEER_LOST
+
+    report_failure(message)
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_PEER_LOST)
+
+
+def lost_peers(window: float = 3.0) -> list[int]:
+    """After a failed collective: the processes whose beats stopped (see ``PeerWatchdog.silent_peers``)."""
+    return _WATCHDOG.silent_peers(window) if _WATCHDOG is not None else []
+
+
+def report_failure(message: str) -> None:
+    """Tell the other processes that this one ends with ``message`` (they exit repeating it)."""
+    if _WATCHDOG is not None:
+        _WATCHDOG.finish(error=message)

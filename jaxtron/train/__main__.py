@@ -17,6 +17,11 @@ def _help_epilog() -> str:
     return "\n".join(lines)
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxtron.train", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -38,17 +43,31 @@ def main(argv=None) -> int:
         return 2
     from jaxtron.checkpoint import CheckpointError
     from jaxtron.train.loop import TrainingAborted
+    from jaxtron.parallel.distributed import report_failure
+
+    def fail(err, status: int) -> int:
+        print(f"error: {err}", file=sys.stderr)
+        report_failure(str(err))  # the other processes exit with it instead of waiting for this one
+        return status
+
     try:
         result = run(cfg)
     except config_lib.ConfigError as err:  # mesh-dependent checks (the Layout) and data checks at start-up
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err, 2)
     except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return fail(err, 1)
     except TrainingAborted as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
+        return fail(err, 3)
+    except jax.errors.JaxRuntimeError as err:
+        if jax.process_count() == 1:
+            raise
+        # A collective failed under a multi-process run: a peer died or the network broke. One line, and no
+        # waiting in JAX's shutdown barrier for a process that will not come.
+        from jaxtron.parallel.distributed import exit_lost_peer, lost_peers
+        n, lost = jax.process_count(), lost_peers()
+        who = (", ".join(f"process {q} of {n}" for q in lost) + (" was" if len(lost) == 1 else " were")
+               + " lost (killed or crashed: its heartbeat stopped)") if lost else "a peer process was lost?"
+        exit_lost_peer(f"{who}; process {jax.process_index()}'s collective failed: {_first_line(err)}")
     if jax.process_index() != 0:
         return 0
     if result.stopped_by:
