@@ -1,7 +1,7 @@
-"""Context parallelism (parallel.context > 1, context_impl=all_gather) equals the single-device run.
+"""Context parallelism (parallel.context > 1) equals the single-device run.
 
-Per layout (context with data and tensor, with fsdp, alone) and batch (plain causal; three packed documents per
-row with restarting positions): the fp32 gradient of the whole batch leaf by leaf, its norm, and the losses
+Per context_impl (all_gather, ring, ulysses), on layouts (context with data and tensor, with fsdp, alone) and
+batches (plain causal; three packed documents per row with restarting positions): the fp32 gradient of the whole batch leaf by leaf, its norm, and the losses
 and gradient norms of 3 steps with a non-zero learning rate from step 0, to 1e-5 relative. Also: the sequence
 really is split (compiled activation memory per device falls), the load balance and its reported imbalance,
 and the config errors.
@@ -36,12 +36,47 @@ def _reference(documents: int):
     return _REFERENCES[documents]
 
 
-@pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_context_parallel_equals_single_device(layout, batch):
+# each impl on each layout and on each batch kind at least once, not the whole product (CI time)
+CASES = [("all_gather", "context2-data2-tensor2", "packed3"), ("all_gather", "context4-fsdp2", "causal"),
+         ("all_gather", "context8", "packed3"), ("ring", "context2-data2-tensor2", "causal"),
+         ("ring", "context4-fsdp2", "packed3"), ("ring", "context8", "packed3"),
+         ("ulysses", "context2-data2-tensor2", "packed3"), ("ulysses", "context8", "causal")]
+
+
+@pytest.mark.parametrize("impl,layout,batch", CASES)
+def test_context_parallel_equals_single_device(impl, layout, batch):
+    # ulysses on context8: 4 kv heads over 8 ranks, so K/V heads are repeated per query group
     documents = BATCHES[batch]
-    cfg = _config(*LAYOUTS[layout], f"data.reset_at_eod={documents > 1}")
+    cfg = _config(*LAYOUTS[layout], f"parallel.context_impl={impl}", f"data.reset_at_eod={documents > 1}")
     assert_same_training(training_record(cfg, jax.devices(), documents=documents), _reference(documents))
+
+
+@pytest.mark.parametrize("impl", ["all_gather", "ulysses"])
+def test_context_with_pipeline_equals_single_device(impl):
+    cfg = _config("parallel.context=2", "parallel.stage=2", "parallel.fsdp=2", "parallel.data=1",
+                  f"parallel.context_impl={impl}", "data.reset_at_eod=true")
+    assert_same_training(training_record(cfg, jax.devices(), documents=3), _reference(3))
+
+
+def test_collectives_of_each_impl():
+    """What travels: all_gather gathers K/V; ring passes blocks with collective-permutes and gathers nothing;
+    ulysses exchanges sequence for heads with all-to-alls."""
+    import re
+
+    from helpers import synthetic_batch
+    from jaxtron.train.loop import Trainer, put_batch
+
+    def ops(impl):
+        cfg = _config(*C2_D2_T2, f"parallel.context_impl={impl}", "data.reset_at_eod=true", "model.num_layers=1")
+        run = Trainer(cfg, jax.devices())
+        batch = put_batch(synthetic_batch(cfg, 0, documents=3), run.batch_sharding)
+        text = run.train_step.lower(run.state, batch).compile().as_text()
+        return {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in ("all-gather", "all-to-all")}
+
+    gathered, ringed, exchanged = ops("all_gather"), ops("ring"), ops("ulysses")
+    assert gathered["all-gather"] > 0 and gathered["all-to-all"] == 0, gathered
+    assert ringed == {"all-gather": 0, "all-to-all": 0}, ringed
+    assert exchanged["all-to-all"] >= 4, exchanged  # q, k, v there and the output back, per layer
 
 
 def test_sequence_is_split_over_context():
@@ -78,11 +113,14 @@ def test_load_balance_evens_the_causal_work():
 
 
 @pytest.mark.parametrize("overrides,field", [
-    (("parallel.context=2", "parallel.context_impl=ring"), "parallel.context_impl"),
     (("parallel.context=2", "parallel.context_impl=nope"), "parallel.context_impl"),
+    (("parallel.context=8", "parallel.context_impl=ulysses", "model.num_heads=4", "model.num_kv_heads=4"),
+     "parallel.context_impl"),
+    (("parallel.context=2", "parallel.stage=2", "parallel.context_impl=ring"), "parallel.context_impl"),
     (("parallel.context=4", "data.seq_len=12"), "data.seq_len"),
     (("parallel.context=2", "model.hidden_size=128", "model.attention_impl=pallas"), "model.attention_impl"),
 ])
 def test_context_config_errors_name_the_field(overrides, field):
-    with pytest.raises(ConfigError, match=f"^{field}: .*(built|implementation|divisible|context)"):
-        Layout.build(tiny_config("parallel.data=1", *overrides), jax.devices()[:int(overrides[0].split("=")[1])])
+    with pytest.raises(ConfigError, match=f"^{field}: .*(implementation|divisible|context|pipeline)"):
+        sizes = [int(o.split("=")[1]) for o in overrides if o.split("=")[0] in ("parallel.context", "parallel.stage")]
+        Layout.build(tiny_config("parallel.data=1", *overrides), jax.devices()[:int(np.prod(sizes))])

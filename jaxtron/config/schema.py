@@ -101,7 +101,12 @@ class ParallelConfig:
                          "2*context chunks and rank r holds chunks r and 2*context-1-r (causal load balance).")
     context_impl: str = _f("all_gather", "With context > 1: 'all_gather' (K and V gathered over 'context', "
                                          "local queries attend to the whole sequence; the backward "
-                                         "reduce-scatters dK and dV). 'ring' and 'ulysses' are not built yet.")
+                                         "reduce-scatters dK and dV); 'ring' (K/V blocks passed round the "
+                                         "context ranks with ppermute, partial results merged by their "
+                                         "log-sum-exp; no rank holds the whole K/V); 'ulysses' (all-to-all "
+                                         "from sequence split to head split around attention; num_heads "
+                                         "divisible by context x tensor, kv heads repeated when fewer); "
+                                         "ring is refused with stage > 1.")
 
 
 @dataclass

@@ -11,9 +11,10 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig, head_dim
 from jaxtron.model import kernels
-from jaxtron.model.attention import attention, cached_attention
+from jaxtron.model.attention import attention, cached_attention, xla_attention
 from jaxtron.model.cache import CACHE_NAMES, LayerCache
 from jaxtron.model.projection import project
+from jaxtron.parallel import ring_attention
 from jaxtron.parallel.sharding import constrain
 
 
@@ -117,11 +118,11 @@ class Attention(nnx.Module):
         if cache is not None:
             return self._attend_cache(q, k, v, cache)
         if self.cfg.attention_impl == "xla":
-            # every query attends to K and V of the whole sequence (gathered under context parallelism), the
-            # causal mask by position: the sequence may arrive reordered (context parallelism's load balance)
-            k = constrain(k, ("act_batch", "act_kv_seq", "act_kv_heads", "act_head_dim"))
-            v = constrain(v, ("act_batch", "act_kv_seq", "act_kv_heads", "act_head_dim"))
-            out = attention(q, k, v, segment_ids, implementation="xla", positions=rope.positions)
+            # the names say how a sequence split over 'context' is read (K/V gathered, passed round a ring, or
+            # exchanged for heads); the causal mask is by position: the sequence may arrive reordered (context
+            # parallelism's load balance)
+            out = ring_attention.sequence_attention(q, k, v, segment_ids, rope.positions, q.shape[-1] ** -0.5,
+                                                    xla_attention)
         else:
             out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
                             deterministic=self.cfg.deterministic_attention)

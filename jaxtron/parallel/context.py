@@ -3,9 +3,15 @@
 The rules table maps the activations' sequence axis (``act_seq``, and ``act_res_seq``) onto ``context``;
 parameters are not split over it, so XLA reduces their gradients over it as over data parallelism.
 
-``all_gather`` (the one ``parallel.context_impl`` built so far; Llama 3's long-context recipe): each rank keeps
-its queries and attends to K and V gathered over ``context`` (``act_kv_seq`` is unsplit, so the gather is
-an all-gather of the kv heads only, and its transpose in the backward a reduce-scatter of dK and dV).
+``parallel.context_impl`` (the attention rules of :mod:`jaxtron.parallel.rules`):
+
+* ``all_gather`` (Llama 3's long-context recipe): each rank keeps its queries and attends to K and V gathered
+  over ``context`` (``act_kv_seq`` is unsplit, so the gather is an all-gather of the kv heads only, and its
+  transpose in the backward a reduce-scatter of dK and dV);
+* ``ring``: K and V stay split and are passed round the ring (:mod:`jaxtron.parallel.ring_attention`); no rank
+  ever holds the whole sequence's K and V;
+* ``ulysses`` (DeepSpeed-Ulysses): all-to-alls trade the sequence split for a head split before attention and
+  back after; heads and kv heads must be divisible by context x tensor.
 
 Causal load balance: with a plain split, rank 0's queries see one chunk of keys and the last rank's see all
 of them. :func:`balance` reorders every sequence of the batch once, before the embedding, into 2*CP chunks so
@@ -24,16 +30,15 @@ import numpy as np
 from jaxtron.config.schema import Config, ConfigError
 
 AXIS = "context"
-IMPLEMENTATIONS = ("all_gather",)
-PLANNED = ("ring", "ulysses")
+IMPLEMENTATIONS = ("all_gather", "ring", "ulysses")
 
 
 def check_context(cfg: Config, context: Optional[int], tensor: Optional[int]) -> None:
     """The config errors of ``parallel.context`` (``context``/``tensor``: the resolved sizes, None if unknown)."""
     p, m = cfg.parallel, cfg.model
     if p.context_impl not in IMPLEMENTATIONS:
-        hint = " is not built yet" if p.context_impl in PLANNED else " is not an implementation"
-        raise ConfigError("parallel.context_impl", f"{p.context_impl!r}{hint}; choose from {IMPLEMENTATIONS}")
+        raise ConfigError("parallel.context_impl", f"{p.context_impl!r} is not an implementation; choose from "
+                                                   f"{IMPLEMENTATIONS}")
     if context is None or context == 1:
         return
     if context < 1:
@@ -45,6 +50,17 @@ def check_context(cfg: Config, context: Optional[int], tensor: Optional[int]) ->
     if p.sequence_parallel and tensor and seq % (context * tensor):
         raise ConfigError("data.seq_len", f"{seq} is not divisible by parallel.context x parallel.tensor = "
                                           f"{context * tensor} (sequence_parallel)")
+    if p.context_impl == "ring" and p.stage > 1:
+        # the ring's ppermute inside the pipeline's stage-manual shard_map gives NaN (gpipe) or deadlocks
+        # (1f1b: the stages reach different collective-permutes) on XLA:CPU; not supported until it is tested
+        raise ConfigError("parallel.context_impl", "ring does not run inside the pipeline (parallel.stage > 1) "
+                                                   "yet; use all_gather or ulysses")
+    if p.context_impl == "ulysses":
+        split = context * (tensor or 1)
+        if m.num_heads % split:  # kv heads need not divide: they are repeated for their query groups
+            raise ConfigError("parallel.context_impl", f"ulysses splits heads over context x tensor = {split}, "
+                                                       f"which does not divide model.num_heads={m.num_heads}; "
+                                                       "use ring or all_gather")
     if m.attention_impl != "xla":
         raise ConfigError("model.attention_impl", f"{m.attention_impl!r} does not run with parallel.context > 1 "
                                                   "yet (its causal mask follows the index, the load-balanced "

@@ -9,8 +9,9 @@ which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) paralle
   ``vocab`` over ``tensor`` (vocab-parallel embedding and logits).
 * activations: the batch over ``data`` and ``fsdp``; heads, MLP and vocab over ``tensor``;
   with sequence parallelism the sequence axis of the residual stream (``act_res_seq``) over ``tensor``;
-  the sequence axis (``act_seq``, ``act_res_seq``) over ``context`` (context parallelism: K and V, named
-  ``act_kv_seq`` where attention reads them, are gathered).
+  the sequence axis (``act_seq``, ``act_res_seq``) over ``context`` (context parallelism; inside attention
+  the names of ``_ATTENTION_RULES`` say, per ``parallel.context_impl``, whether K and V are gathered, passed
+  round a ring or exchanged for heads).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ _PARAM_RULES: Rules = (
 _ACTIVATION_RULES: Rules = (
     ("act_batch", ("data", "fsdp")),
     ("act_seq", "context"),
-    ("act_kv_seq", None),  # K and V attend from every context rank: gathered over 'context'
 
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -46,7 +46,24 @@ _ACTIVATION_RULES: Rules = (
 )
 
 
+# Inside attention (q: act_attn_seq/act_attn_heads; k, v: act_kv_seq/act_attn_kv_heads), per context_impl:
+# all_gather: queries stay split, K/V gathered; ring: K/V stay split too and ring_attention.py passes them
+# round; ulysses: ring_attention.py trades the sequence split for a head split (all-to-all) over the axes of
+# act_attn_head_exchange.
+_SPLIT_KV = (("act_attn_seq", "context"), ("act_kv_seq", "context"),
+             ("act_attn_heads", "tensor"), ("act_attn_kv_heads", "tensor"))
+_ATTENTION_RULES: dict[str, Rules] = {
+    "all_gather": (("act_attn_seq", "context"), ("act_kv_seq", None), ("act_attn_heads", "tensor"),
+                   ("act_attn_kv_heads", "tensor"), ("act_attn_head_exchange", None)),
+    "ring": _SPLIT_KV + (("act_attn_head_exchange", None),),
+    "ulysses": _SPLIT_KV + (("act_attn_head_exchange", "context"),),
+}
+
+
 def logical_rules(parallel: ParallelConfig | None = None) -> Rules:
-    """The rules for a parallel config; ``sequence_parallel`` maps ``act_res_seq`` onto ``tensor``."""
+    """The rules for a parallel config; ``sequence_parallel`` maps ``act_res_seq`` onto ``tensor``;
+    ``context_impl`` picks how attention reads a sequence split over ``context``."""
     sp = bool(parallel is not None and parallel.sequence_parallel)
-    return _PARAM_RULES + _ACTIVATION_RULES + (("act_res_seq", ("context", "tensor") if sp else "context"),)
+    impl = parallel.context_impl if parallel is not None else "all_gather"
+    return (_PARAM_RULES + _ACTIVATION_RULES + _ATTENTION_RULES.get(impl, _ATTENTION_RULES["all_gather"])
+            + (("act_res_seq", ("context", "tensor") if sp else "context"),))

@@ -28,6 +28,19 @@ def use_rules(rules: Sequence[tuple[str, Any]], mesh: Optional[Mesh] = None) -> 
         _STATE.ctx = prev
 
 
+def current_context() -> Optional[tuple[tuple, Optional[Mesh]]]:
+    """(rules, mesh) of the enclosing :func:`use_rules`, or None; the mesh is the one set by ``jax.set_mesh``
+    when use_rules got none (None if there is none)."""
+    ctx = getattr(_STATE, "ctx", None)
+    if ctx is None:
+        return None
+    rules, mesh = ctx
+    if mesh is None:
+        abstract = jax.sharding.get_abstract_mesh()
+        mesh = None if abstract is None or abstract.empty else abstract
+    return rules, mesh
+
+
 def logical_to_spec(names: Sequence[Optional[str]], rules: Sequence[tuple[str, Any]]) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(names), tuple(rules))
 
