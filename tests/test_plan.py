@@ -228,6 +228,33 @@ def test_xla_gpu_fsdp_collectives_and_memory():
     assert r["memory"]["params"] == pytest.approx(4 * n / 8, rel=0.01)
 
 
+@needs_xla_gpu
+def test_xla_gpu_ring_attention_transfers_overlap_the_attention():
+    """Context 8 ring, one layer: 7 K/V-block transfers forward and 7 back, each with the attention's compute
+    scheduled between its collective-permute-start and -done (none exposed)."""
+    r = _cli("--gpu", "h100", "--num-gpus", "8", *SMALL, "model.num_layers=1", "parallel.data=1",
+             "parallel.context=8", "parallel.context_impl=ring")
+    assert r["layout"].endswith("context=8 (ring)")
+    assert r["async_overlap"]["collective-permute"] == {"pairs": 14, "exposed": 0}
+
+
+def test_async_overlap_reads_the_schedule():
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %cp-start = (f32[4]{0}, f32[4]{0}) collective-permute-start(%p), source_target_pairs={{0,1},{1,0}}
+  %f = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused
+  %cp-done = f32[4]{0} collective-permute-done(%cp-start)
+  %cp-start.1 = (f32[4]{0}, f32[4]{0}) collective-permute-start(%f), source_target_pairs={{0,1},{1,0}}
+  %cp-done.1 = f32[4]{0} collective-permute-done(%cp-start.1)
+  ROOT %a = f32[4]{0} add(%cp-done, %cp-done.1)
+}
+"""
+    pairs = hlo.async_overlap(text)
+    assert [(p["start"], p["compute_between"]) for p in pairs] == [("cp-start", ["f"]), ("cp-start.1", [])]
+
+
 @pytest.mark.slow
 @needs_xla_gpu
 def test_xla_gpu_llama3_8b_replicated_does_not_fit():

@@ -240,12 +240,15 @@ class Layout:
         return (s - 1) / (v * self.accumulation_steps + s - 1)
 
     def describe(self) -> str:
-        """``data=2 fsdp=2 tensor=2 stage=1``."""
-        return " ".join(f"{a}={self.sizes[a]}" for a in ("data", "fsdp", "tensor", "stage"))
+        """``data=2 fsdp=2 tensor=2 stage=1`` (and ``context=4 (ring)`` where the sequence is split)."""
+        text = " ".join(f"{a}={self.sizes[a]}" for a in ("data", "fsdp", "tensor", "stage"))
+        if self.sizes["context"] > 1:
+            text += f" context={self.sizes['context']} ({self.parallel.context_impl})"
+        return text
 
     def overrides(self) -> list[str]:
         """The ``parallel.<axis>=<size>`` overrides that give this layout's mesh."""
-        return [f"parallel.{a}={self.sizes[a]}" for a in ("data", "fsdp", "tensor", "stage")]
+        return [f"parallel.{a}={self.sizes[a]}" for a in ("data", "fsdp", "context", "tensor", "stage")]
 
     # --------------------------------------------------------------------------------- rules, shardings
     @property

@@ -120,7 +120,10 @@ def ring(q, k, v, pos, seg, scale: float, axes: tuple[str, ...], size: int):
     l = jnp.zeros((b, kvh, h // kvh, s), jnp.float32)
     block = (k, v, pos, seg)
     for step in range(size):
-        # the next block's transfer first: it does not depend on this round's attention
+        # Tie the block to the previous round's result: otherwise XLA's scheduler may run the whole chain of
+        # transfers back to back before any attention (nothing depends on the attention), exposing them; tied,
+        # each transfer starts after the previous round and runs beside this round's attention.
+        block, o, m, l = jax.lax.optimization_barrier((block, o, m, l))
         nxt = jax.lax.ppermute(block, axes, perm) if step + 1 < size else None
         ob, mb, lb = _block(q, *block[:2], pos, seg, *block[2:], scale)
         new = jnp.maximum(m, mb)

@@ -137,7 +137,8 @@ def compile_step(cfg: Config, devices: Sequence):
 def layout_overrides(cfg: Config) -> str:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     mbs = t.micro_batch_size if t.micro_batch_size is not None else "null"
-    return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} parallel.tensor={p.tensor} parallel.stage=1 "
+    return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} parallel.context={p.context} "
+            f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage=1 "
             f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
             f"model.remat={m.remat}")
 
@@ -201,6 +202,9 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
                           "(Megatron's code today; what a causal flash kernel executes)",
         },
         "collectives": hlo.summarize(ops),
+        "async_overlap": {kind: {"pairs": len(ps), "exposed": sum(not p["compute_between"] for p in ps)}
+                          for kind in ("all-gather", "all-reduce", "collective-permute")
+                          for ps in [hlo.async_overlap(text, kind)] if ps},
         "roofline": roof,
         "hardware": {"peak_tflops": gpu.peak_tflops, "hbm_gbps": gpu.hbm_gbps, "nvlink_gbps": gpu.nvlink_gbps,
                      "net_gbps": gpu.net_gbps, "gpus_per_node": gpu.gpus_per_node,

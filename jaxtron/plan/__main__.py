@@ -77,6 +77,9 @@ def _print_plan(r: dict) -> None:
         t = roof["comm_s_by_kind"].get(kind, 0.0)
         print(f"  {kind:20s} {c['ops']:5d} {c['executions']:8.0f} {c['result_bytes'] / 2**30:10.2f} GiB "
               f"{c['wire_bytes'] / 2**30:10.2f} GiB {t:8.3f}s")
+    for kind, a in r.get("async_overlap", {}).items():
+        print(f"  async {kind}: {a['pairs']} start/done pairs in the schedule, {a['exposed']} with no compute "
+              "between them (exposed)")
     wb = roof["wire_bytes_by_link"]
     print(f"  over NVLink {wb['nvlink'] / 2**30:.2f} GiB, over the network {wb['network'] / 2**30:.2f} GiB")
     print("\nroofline prediction")

@@ -290,3 +290,27 @@ def summarize(ops: Sequence[CollectiveOp]) -> dict[str, dict]:
         d["result_bytes"] += op.result_bytes * op.count
         d["wire_bytes"] += op.wire_bytes * op.count
     return out
+
+
+COMPUTE_OPCODES = ("fusion", "custom-call", "convolution", "dot")
+
+
+def async_overlap(text: str, kind: str = "collective-permute") -> list[dict]:
+    """Each async ``<kind>-start``/``-done`` pair of a scheduled module (``is_scheduled=true``: instruction
+    order is execution order) with the compute ops the schedule places between them: those run while the
+    transfer is in flight. A pair with none between is exposed (the stream waits for the transfer)."""
+    mod = parse_module(text)
+    pairs = []
+    for comp, instrs in mod.computations.items():
+        open_at = {}
+        for i, (name, _shape, opcode, rest) in enumerate(instrs):
+            if opcode == f"{kind}-start":
+                open_at[name] = i
+            elif opcode == f"{kind}-done":
+                operand = re.match(r"[\w\-]+\(\s*%?([\w.\-]+)", rest)
+                start = operand and operand.group(1)
+                if start in open_at:
+                    between = instrs[open_at.pop(start) + 1:i]
+                    compute = [n for n, _s, op, _r in between if op in COMPUTE_OPCODES]
+                    pairs.append({"computation": comp, "start": start, "compute_between": compute})
+    return pairs
