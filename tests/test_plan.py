@@ -136,6 +136,23 @@ def test_not_fitting_plan_really_exceeds_memory():
 
 
 @pytest.mark.slow
+def test_search_tries_context_parallelism_for_long_sequences():
+    from jaxtron.plan import candidate_configs
+
+    short = candidate_configs(_cfg("data.seq_len=4096"), 8)
+    assert {c.parallel.context for c in short} == {1}
+    long = candidate_configs(_cfg("data.seq_len=32768"), 8)
+    assert {c.parallel.context for c in long} == {1, 2, 4, 8}
+    for c in long:
+        assert c.parallel.data * c.parallel.fsdp * c.parallel.context * c.parallel.tensor == 8
+        if c.parallel.context > 1:
+            assert (c.parallel.context_impl, c.model.attention_impl) == ("ring", "xla")
+    estimate = {c.parallel.context: pm.closed_form_memory(c, Layout.planned(c, 8))["activations"]
+                for c in long if c.parallel.tensor == 1 and c.model.remat == "full" and c.parallel.fsdp == 1
+                and c.train.micro_batch_size == 1}
+    assert estimate[8] < estimate[1] / 4  # each context rank holds 1/context of the sequence
+
+
 def test_search_never_recommends_a_layout_that_does_not_fit():
     cfg = _cfg("model.num_layers=2")
     gpu = get_gpu("h100").replace(memory_bytes=32 * 2**20, mem_fraction=1.0)

@@ -222,6 +222,11 @@ class Layout:
         return self.sizes["fsdp"]
 
     @property
+    def zero_shards(self) -> int:
+        """The ways each weight and its optimizer state are split by ZeRO-3: fsdp x context (see rules.py)."""
+        return self.sizes["fsdp"] * self.sizes["context"]
+
+    @property
     def stages(self) -> int:
         return self.sizes["stage"]
 

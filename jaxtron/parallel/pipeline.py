@@ -79,7 +79,7 @@ def _chunked(stacked: Any, stacked_specs: Any, spec: PipelineSpec, mesh: Mesh) -
     ``spec.gather_fsdp`` the ``fsdp`` axis is dropped from the weights' sharding here, once per step (an
     all-gather; the gradients are reduce-scattered once in return), instead of in every tick of the loop."""
     s, v = spec.stages, spec.chunks_per_device
-    gathered = (FSDP_AXIS,) if spec.gather_fsdp else ()
+    gathered = (FSDP_AXIS, "context") if spec.gather_fsdp else ()  # ZeRO-3 spans both (rules.py)
 
     def drop(entry):
         if entry is None or isinstance(entry, str):

@@ -94,9 +94,21 @@ def ulysses(q, k, v, pos, seg, scale: float, axes: tuple[str, ...], attend):
     return jax.lax.all_to_all(out, axes, 1, 2, tiled=True)
 
 
+# fp32 score bytes of one query tile against one K/V block: long sequences attend tile by tile, so a round's
+# scores never exceed this (seq 131072 on context 8: 16384 x 16384 x 32 heads would be 32 GiB at once)
+TILE_SCORE_BYTES = 1 << 30
+
+
+def _query_tile(b: int, s: int, h: int, s_k: int) -> int:
+    tile = s
+    while b * h * tile * s_k * 4 > TILE_SCORE_BYTES and tile % 2 == 0:
+        tile //= 2
+    return tile
+
+
 @jax.checkpoint
-def _block(q, k, v, q_pos, q_seg, k_pos, k_seg, scale):
-    """One round: unnormalized output, row max and row sum of q's scores against one K/V block (fp32)."""
+def _block_tile(q, k, v, q_pos, q_seg, k_pos, k_seg, scale):
+    """Unnormalized output, row max and row sum of q's scores against one K/V block (fp32)."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, s, kvh, h // kvh, d)
@@ -108,6 +120,20 @@ def _block(q, k, v, q_pos, q_seg, k_pos, k_seg, scale):
     p = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)  # a row with no key here adds nothing
     o = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o, m, p.sum(-1)
+
+
+def _block(q, k, v, q_pos, q_seg, k_pos, k_seg, scale):
+    """One round, query tile by query tile (each rematerialized: the backward keeps no score block)."""
+    b, s, h, d = q.shape
+    tile = _query_tile(b, s, h, k.shape[1])
+    if tile == s:
+        return _block_tile(q, k, v, q_pos, q_seg, k_pos, k_seg, scale)
+    n = s // tile
+    tiles = lambda x: jnp.moveaxis(x.reshape(b, n, tile, *x.shape[2:]), 1, 0)  # noqa: E731
+    o, m, l = jax.lax.map(lambda t: _block_tile(t[0], k, v, t[1], t[2], k_pos, k_seg, scale),
+                          (tiles(q), tiles(q_pos), tiles(q_seg)))
+    rows = lambda x: jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], s, *x.shape[5:])  # noqa: E731
+    return rows(o), rows(m), rows(l)
 
 
 def ring(q, k, v, pos, seg, scale: float, axes: tuple[str, ...], size: int):

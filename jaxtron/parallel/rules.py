@@ -4,7 +4,7 @@ Model code names axes (``"embed"``, ``"heads"``, ``"act_batch"``...); this table
 which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) parallelism fall out of it:
 
 * params: ``layers`` (the stacked decoder blocks' leading axis) over ``stage`` (pipeline parallelism),
-  ``embed`` over ``fsdp`` (ZeRO-3: every weight is split on its hidden dim, gathered per layer),
+  ``embed`` over ``fsdp`` and ``context`` (ZeRO-3: every weight is split on its hidden dim, gathered per layer),
   ``heads``/``kv_heads``/``mlp`` over ``tensor`` (column-parallel QKV/gate/up, row-parallel out/down),
   ``vocab`` over ``tensor`` (vocab-parallel embedding and logits).
 * activations: the batch over ``data`` and ``fsdp``; heads, MLP and vocab over ``tensor``;
@@ -23,7 +23,10 @@ Rules = tuple[tuple[str, object], ...]
 # Parameter axes.
 _PARAM_RULES: Rules = (
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    # ZeRO-3 spans fsdp x context, as Megatron's distributed optimizer spans DP x CP: context ranks hold the
+    # same weights, so splitting them there too divides the model state by the context size at the cost of
+    # the same per-layer gathers FSDP already makes
+    ("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),

@@ -222,14 +222,25 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
 # ------------------------------------------------------------------------------------------------ search
 
 
+LONG_CONTEXT = 16384  # --search tries context parallelism from this sequence length on
+
+
+def contexts(cfg: Config, devices: int) -> list[int]:
+    """Context sizes --search tries: 1, and for long sequences every divisor that splits seq into 2C chunks."""
+    if cfg.data.seq_len < LONG_CONTEXT:
+        return [1]
+    return [c for c in pm.divisors(devices) if cfg.data.seq_len % (2 * c) == 0 or c == 1]
+
+
 def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
                       remats: Sequence[str] = ("none", "save_dots", "full")) -> list[Config]:
     m, gbs = cfg.model, cfg.train.global_batch_size
     out = []
-    for tensor in pm.divisors(num_gpus):
-        if tensor > gpus_per_node or m.num_heads % tensor or m.num_kv_heads % tensor or m.intermediate_size % tensor:
-            continue
-        rest = num_gpus // tensor
+    splits = [(t, c) for t in pm.divisors(num_gpus)
+              if t <= gpus_per_node and not (m.num_heads % t or m.num_kv_heads % t or m.intermediate_size % t)
+              for c in contexts(cfg, num_gpus // t)]
+    for tensor, context in splits:
+        rest = num_gpus // (tensor * context)
         for fsdp in pm.divisors(rest):
             data = rest // fsdp
             dp = data * fsdp
@@ -239,6 +250,9 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
             for mbs, remat in itertools.product(mbs_opts, remats):
                 c = copy.deepcopy(cfg)
                 c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, 1
+                c.parallel.context = context
+                if context > 1:  # the flash kernels do not take context > 1: the ring attends in query tiles
+                    c.parallel.context_impl, c.model.attention_impl = "ring", "xla"
                 c.parallel.sequence_parallel = tensor > 1 and cfg.data.seq_len % tensor == 0
                 c.train.micro_batch_size = mbs
                 c.model.remat = remat

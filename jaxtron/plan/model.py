@@ -45,12 +45,12 @@ def param_count(m) -> int:
 
 
 def closed_form_state_bytes(cfg: Config, layout: Layout) -> dict:
-    """Per-device bytes of params, AdamW state and gradients: every matrix is split over fsdp (its hidden dim)
-    and tensor (heads / mlp / vocab); norms and biases are small and counted as split the same way."""
+    """Per-device bytes of params, AdamW state and gradients: every matrix is split over fsdp x context (its
+    hidden dim) and tensor (heads / mlp / vocab); norms and biases are small and counted as split the same way."""
     m = cfg.model
     pbytes = 2 if m.param_dtype in ("bfloat16", "float16") else (8 if m.param_dtype == "float64" else 4)
     n = param_count(m)
-    shard = layout.fsdp * layout.tp
+    shard = layout.zero_shards * layout.tp
     return {"params": n * pbytes / shard, "optimizer": 2 * n * pbytes / shard, "grads": n * pbytes / shard,
             "param_count": n}
 
@@ -74,11 +74,11 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     t, dp, b = layout.tp, layout.dp, layout.micro_batch_size
     sp = cfg.parallel.sequence_parallel and t > 1
     st = closed_form_state_bytes(cfg, layout)
-    tokens = b * s
+    tokens = b * s // layout.sizes["context"]  # each context rank holds 1/context of the sequence
     saved = m.num_layers * tokens * _act_bytes_per_token_layer(m, t, sp, m.remat)
     working = tokens * _act_bytes_per_token_layer(m, t, sp, "none") * 2  # one layer's fwd + bwd live set
     logits = tokens * m.vocab_size / t * (2 + 4 + 4)
-    gathered = 2 * 2 * layer_params(m) / t if layout.fsdp > 1 else 0
+    gathered = 2 * 2 * layer_params(m) / t if layout.zero_shards > 1 else 0
     acc = st["grads"] if layout.accumulation_steps > 1 else 0
     temp = saved + working + logits + gathered + acc + st["grads"]
     total = st["params"] + st["optimizer"] + temp
@@ -94,7 +94,7 @@ def hbm_bytes(cfg: Config, layout: Layout) -> float:
     weights = 3 * 2 * n_local * accum * (4 / 3 if m.remat == "full" else 1)
     act = 4 * m.num_layers * b * s * _act_bytes_per_token_layer(m, t, sp, "none") * accum
     logits = 3 * b * s * m.vocab_size / t * 4 * accum
-    opt = 28 * param_count(m) / (layout.fsdp * t)
+    opt = 28 * param_count(m) / (layout.zero_shards * t)
     return weights + act + logits + opt
 
 
@@ -157,7 +157,7 @@ def roofline(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, num_gpus: int
 def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int) -> float:
     """Rough communication time for ranking search candidates before compiling."""
     m, s = cfg.model, cfg.data.seq_len
-    t, f = layout.tp, layout.fsdp
+    t, f = layout.tp, layout.zero_shards
     d = layout.dp // f
     b, accum = layout.micro_batch_size, layout.accumulation_steps
     per_node = gpu.gpus_per_node
