@@ -163,6 +163,13 @@ def test_planner_counts_the_qk_norm_params(overrides):
     assert param_count(cfg) == actual
 
 
+def test_qwen3_8b_preset_has_qwen3_8b_parameter_count():
+    """8,190,735,360: the parameters of the Qwen/Qwen3-8B checkpoint (36 x 2 x 128 of them the q/k norms)."""
+    from jaxtron import config as config_lib
+
+    assert param_count(config_lib.load("qwen3_8b").model) == 8_190_735_360
+
+
 def _qwen3_config(**change) -> dict:
     config = hf.config_to_hf(_random_model().cfg)
     config.update(change)
