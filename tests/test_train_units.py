@@ -68,7 +68,7 @@ def megatron_flops_per_token(m, s, causal):
     return 12 * L * h * h * (attn + m.intermediate_size / h * 1.5 + m.vocab_size / (2 * L * h))
 
 
-@pytest.mark.parametrize("preset", ["llama3_8b", "llama3_70b", "qwen2_7b"])
+@pytest.mark.parametrize("preset", ["llama3_8b", "llama3_70b", "qwen2_7b", "qwen3_8b"])
 def test_flops_match_megatron(preset):
     m = config_lib.load(preset).model
     for conv, causal in (("full", False), ("causal", True)):

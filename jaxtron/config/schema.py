@@ -53,6 +53,8 @@ class ModelConfig:
     rms_norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
     tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
     qkv_bias: bool = _f(False, "Bias on the Q/K/V projections (Qwen2).")
+    qk_norm: bool = _f(False, "RMSNorm over head_dim of every query and key head before RoPE, with weights "
+                              "[head_dim] shared by the heads and eps rms_norm_eps (Qwen3).")
     initializer_range: float = _f(0.02, "Std of the normal init; output projections use std/sqrt(2*num_layers).")
     attention_impl: str = _f("xla", "Attention: 'xla' (reference, any device), 'cudnn' (GPU), 'pallas' (jaxtron's "
                                     "flash attention; GPU, or interpret mode on CPU: exact but slow) or 'mosaic' "

@@ -1,7 +1,7 @@
 """Checkpoint format conversion.
 
-:mod:`jaxtron.convert.hf` reads and writes Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
-folders (config.json + safetensors)."""
+:mod:`jaxtron.convert.hf` reads and writes Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` folders (config.json + safetensors)."""
 
 from jaxtron.jax_startup import import_jax
 

@@ -18,9 +18,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jaxtron.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{import-hf,export-hf}")
-    imp = sub.add_parser("import-hf", help="a Hugging Face Llama/Qwen2 folder -> a weights-only jaxtron checkpoint",
-                         description="Write a Hugging Face LlamaForCausalLM/Qwen2ForCausalLM folder (config.json + "
-                                     "safetensors) as a weights-only jaxtron checkpoint (step 0) plus "
+    imp = sub.add_parser("import-hf",
+                         help="a Hugging Face Llama/Qwen2/Qwen3 folder -> a weights-only jaxtron checkpoint",
+                         description="Write a Hugging Face LlamaForCausalLM/Qwen2ForCausalLM/Qwen3ForCausalLM folder "
+                                     "(config.json + safetensors) as a weights-only jaxtron checkpoint (step 0) plus "
                                      "OUT/config.yaml, a full jaxtron config whose model section comes from the "
                                      "HF config.")
     imp.add_argument("--hf-dir", required=True, help="the Hugging Face folder")

@@ -1,4 +1,5 @@
-"""Hugging Face <-> jaxtron: ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` folders (config.json + safetensors).
+"""Hugging Face <-> jaxtron: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``
+folders (config.json + safetensors).
 
     cfg, model = jaxtron.convert.hf.load("path/to/Llama-3.1-8B", dtype="float32")
     jaxtron.convert.hf.save(model, "out/hf")          # AutoModelForCausalLM.from_pretrained("out/hf") loads it
@@ -36,7 +37,7 @@ __all__ = ["ARCHITECTURES", "CONFIG_NAME", "INDEX_NAME", "MODEL_TYPES", "WEIGHTS
 
 def load(hf_dir: str, dtype: Optional[str] = None, param_dtype: Optional[str] = None
          ) -> tuple[ModelConfig, Llama]:
-    """Load a Hugging Face Llama/Qwen2 folder: returns ``(ModelConfig, Llama)``.
+    """Load a Hugging Face Llama/Qwen2/Qwen3 folder: returns ``(ModelConfig, Llama)``.
 
     ``dtype`` overrides the compute dtype (``ModelConfig.dtype``) and ``param_dtype`` the dtype the weights
     are kept in (default float32); ``load(dir, dtype="float32")`` gives an fp32 model.

@@ -1,6 +1,6 @@
 """Hugging Face config.json <-> jaxtron :class:`~jaxtron.config.ModelConfig`: the supported architectures
-(``LlamaForCausalLM``, ``Qwen2ForCausalLM``), RoPE (default and llama3 scaling, in the transformers 4 and 5
-spellings), the checks for options jaxtron's model does not implement, and the reverse mapping."""
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``), RoPE (default and llama3 scaling, in the
+transformers 4 and 5 spellings), the checks for options jaxtron's model does not implement, and the reverse mapping."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 
 CONFIG_NAME = "config.json"
@@ -94,7 +94,10 @@ def _check_unsupported(hf: Mapping, arch: str, source: str) -> None:
     if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias=true is not supported for LlamaForCausalLM (it adds an "
                          f"o_proj bias; jaxtron has Q/K/V biases only, as in Qwen2)")
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+    if arch == "Qwen3ForCausalLM" and hf.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=true is not supported for Qwen3ForCausalLM (it adds Q/K/V "
+                         f"and o_proj biases; jaxtron has no o_proj bias)")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (jaxtron attention is full "
                          f"causal)")
 
@@ -114,6 +117,8 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
     heads = int(_get(hf, "num_attention_heads", source))
     kv_heads = int(_get(hf, "num_key_value_heads", source, heads))
     hd = hf.get("head_dim")
+    if hd is None and arch == "Qwen3ForCausalLM":
+        hd = 128  # transformers' Qwen3Config default when config.json has no head_dim (not hidden // heads)
     if hd is None and hidden % heads:
         raise ValueError(f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
                          f"and head_dim is not set")
@@ -136,14 +141,22 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
         rms_norm_eps=float(_get(hf, "rms_norm_eps", source, 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
         initializer_range=float(hf.get("initializer_range", 0.02)),
     )
 
 
 def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
-    arch = architecture or ("Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
+    arch = architecture or ("Qwen3ForCausalLM" if cfg.qk_norm else
+                            "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture: {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    if (arch == "Qwen3ForCausalLM") != cfg.qk_norm:
+        raise ValueError(f"model.qk_norm: {arch} {'needs' if arch == 'Qwen3ForCausalLM' else 'has no'} Q/K "
+                         f"norms; {'set model.qk_norm=true' if not cfg.qk_norm else 'save as Qwen3ForCausalLM'}")
+    if arch == "Qwen3ForCausalLM" and cfg.qkv_bias:
+        raise ValueError("model.qkv_bias: Qwen3ForCausalLM has no Q/K/V-only bias (its attention_bias also "
+                         "adds an o_proj bias); set model.qkv_bias=false")
     if arch == "LlamaForCausalLM" and cfg.qkv_bias:
         raise ValueError("model.qkv_bias: LlamaForCausalLM has no Q/K/V-only bias; save as Qwen2ForCausalLM")
     if arch == "Qwen2ForCausalLM" and not cfg.qkv_bias:
@@ -156,7 +169,8 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
                  max_position_embeddings: Optional[int] = None, dtype: Optional[str] = None) -> dict:
     """The Hugging Face config.json dict for ``cfg``.
 
-    ``architecture`` defaults to ``Qwen2ForCausalLM`` when ``cfg.qkv_bias`` else ``LlamaForCausalLM``.
+    ``architecture`` defaults to ``Qwen3ForCausalLM`` when ``cfg.qk_norm``, ``Qwen2ForCausalLM`` when
+    ``cfg.qkv_bias``, else ``LlamaForCausalLM``.
     RoPE is written as transformers 5 reads it (``rope_parameters`` with ``rope_type`` and ``rope_theta``)
     and also as transformers 4 reads it (top-level ``rope_theta`` and ``rope_scaling``; transformers 5
     folds these into the same ``rope_parameters``). jaxtron has no position table, so
@@ -206,6 +220,8 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
         hf.update(attention_bias=False, mlp_bias=False)
     else:
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    if arch == "Qwen3ForCausalLM":
+        hf.update(attention_bias=False)
     return hf
 
 def _read_config(hf_dir: str) -> tuple[dict, str]:

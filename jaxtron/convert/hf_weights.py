@@ -19,6 +19,9 @@ model.layers.{i}.mlp.{gate,up}_proj.weight [f, d]  layers.mlp.{w_gate,w_up}    x
 model.layers.{i}.mlp.down_proj.weight [d, f]       layers.mlp.w_down           x[i].T
 =================================================  ==========================  ===========================
 
+Qwen3 adds ``model.layers.{i}.self_attn.{q,k}_norm.weight [k]`` <-> ``layers.attention.{q,k}_norm.scale``
+(``x[i]``), the per-head RMSNorm scales of ``model.qk_norm``.
+
 jaxtron's RoPE uses the same rotate-half convention as Hugging Face, so q/k weights need no permutation.
 Every mapping above is a reshape plus a transpose, i.e. a *view*: :func:`params_to_hf` returns views of
 the jaxtron arrays, and :func:`params_from_hf` writes each HF tensor straight into a view of the stacked
@@ -102,6 +105,13 @@ def _specs(cfg: ModelConfig) -> list[_Spec]:
         ]
     layer += [
         ("self_attn.o_proj.weight", ("attention", "wo"), _linear_out),
+    ]
+    if cfg.qk_norm:
+        layer += [
+            ("self_attn.q_norm.weight", ("attention", "q_norm", "scale"), _same),
+            ("self_attn.k_norm.weight", ("attention", "k_norm", "scale"), _same),
+        ]
+    layer += [
         ("post_attention_layernorm.weight", ("mlp_norm", "scale"), _same),
         ("mlp.gate_proj.weight", ("mlp", "w_gate"), _linear_in),
         ("mlp.up_proj.weight", ("mlp", "w_up"), _linear_in),

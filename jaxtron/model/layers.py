@@ -97,6 +97,9 @@ class Attention(nnx.Module):
             self.bq = param(rngs, (h, hd), ("heads", "head_dim"), 0.0, pd)
             self.bk = param(rngs, (kvh, hd), ("kv_heads", "head_dim"), 0.0, pd)
             self.bv = param(rngs, (kvh, hd), ("kv_heads", "head_dim"), 0.0, pd)
+        if cfg.qk_norm:  # Qwen3: one [head_dim] scale each for q and k, shared by all heads
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
 
     def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
         """[batch, seq, hidden] -> [batch, seq, hidden]; with ``cache`` (decoding), this chunk's k/v are written
@@ -110,6 +113,8 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        if self.cfg.qk_norm:  # before RoPE, as Qwen3; the KV cache then holds normalized, rotated keys
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.rope_impl == "pallas":
             q, k = kernels.rope(q, k, rope.positions, rope.inv_freq)
         else:

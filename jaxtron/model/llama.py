@@ -1,4 +1,4 @@
-"""Llama 2/3 and Qwen2: embed -> scan(decoder block) -> norm -> LM head.
+"""Llama 2/3, Qwen2 and Qwen3 (dense): embed -> scan(decoder block) -> norm -> LM head.
 
     model = Llama(cfg.model, rngs=nnx.Rngs(0))
     logits = model(tokens)                       # [batch, seq, vocab], fp32
@@ -60,7 +60,7 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderBlock:
 
 
 class Llama(nnx.Module):
-    """A Llama-family decoder (Llama 2/3, Qwen2) as a Flax NNX module: embed -> scanned decoder blocks ->
+    """A Llama-family decoder (Llama 2/3, Qwen2, Qwen3) as a Flax NNX module: embed -> scanned decoder blocks ->
     RMSNorm -> LM head. ``Llama(cfg.model, rngs=nnx.Rngs(seed))`` builds it on the default device;
     ``jaxtron.create_model(cfg, mesh)`` builds it with its parameters sharded on a mesh.
 

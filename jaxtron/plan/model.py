@@ -36,7 +36,8 @@ from jaxtron.train.flops import flops_per_token
 def layer_params(m) -> int:
     d, h, kv, hd, f = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size
     bias = (h + 2 * kv) * hd if m.qkv_bias else 0
-    return d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f + 2 * d + bias
+    qk_norm = 2 * hd if m.qk_norm else 0
+    return d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f + 2 * d + bias + qk_norm
 
 
 def param_count(m) -> int:
