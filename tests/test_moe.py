@@ -43,3 +43,203 @@ def test_good_moe_configs_validate():
                                        "model.moe.score_func=sigmoid", "model.moe.aux_free_bias=true"])
     assert cfg.model.moe.num_experts == 4 and cfg.model.moe.layer_freq == 2
     assert config_lib.load().model.moe.num_experts == 0  # dense by default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing and dispatch against direct numpy references
+# ---------------------------------------------------------------------------------------------------------------
+
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from helpers import NONZERO_LR, synthetic_batch, tiny_config  # noqa: E402
+from jaxtron.config.schema import MoEConfig  # noqa: E402
+from jaxtron.model import routing  # noqa: E402
+from jaxtron.model.moe import MoE, capacity  # noqa: E402
+
+
+def _np_route(x, w, m: MoEConfig, bias=None):
+    """Top-k routing written out token by token in float64."""
+    logits = x.astype(np.float64) @ w.astype(np.float64)
+    if m.score_func == "softmax":
+        scores = np.exp(logits - logits.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+    experts, weights = [], []
+    e = logits.shape[1]
+    per = e // m.n_group
+    for t in range(len(x)):
+        sel = scores[t] + (0 if bias is None else bias)
+        if m.n_group > 1:
+            gscore = [np.sort(sel[g * per:(g + 1) * per])[-2:].sum() for g in range(m.n_group)]
+            groups = np.argsort(gscore)[::-1][:m.topk_group]
+            sel = np.where(np.isin(np.arange(e) // per, groups), sel, -np.inf)
+        top = np.argsort(sel)[::-1][:m.num_experts_per_token]
+        wt = scores[t, top]
+        if m.norm_topk_prob:
+            wt = wt / wt.sum()
+        experts.append(top)
+        weights.append(wt * m.routed_scaling_factor)
+    return np.array(experts), np.array(weights)
+
+
+ROUTINGS = {
+    "softmax-renorm": dict(score_func="softmax", norm_topk_prob=True),
+    "softmax-raw": dict(score_func="softmax", norm_topk_prob=False),
+    "sigmoid-grouped-bias": dict(score_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5),
+}
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_routing_matches_numpy(name):
+    m = MoEConfig(num_experts=8, num_experts_per_token=3, **ROUTINGS[name])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    w = rng.normal(size=(16, 8)).astype(np.float32)
+    bias = rng.normal(scale=0.3, size=8).astype(np.float32) if m.score_func == "sigmoid" else None
+    r = routing.route(jnp.asarray(x), jnp.asarray(w), m, None if bias is None else jnp.asarray(bias))
+    experts, weights = _np_route(x, w, m, bias)
+    np.testing.assert_array_equal(np.asarray(r.experts), experts)
+    np.testing.assert_allclose(np.asarray(r.weights), weights, rtol=1e-5)
+    if name == "softmax-renorm":  # Mixtral: renormalized top-k of the softmax = softmax of the top-k logits
+        np.testing.assert_allclose(np.asarray(r.weights).sum(-1), 1.0, rtol=1e-6)
+
+
+def _moe_cfg(*overrides):
+    cfg = tiny_config("model.moe.num_experts=4", "model.moe.num_experts_per_token=2",
+                      "model.moe.expert_intermediate_size=32", *overrides)
+    return cfg.model
+
+
+def _np_moe(layer: MoE, x, drop=None):
+    """The MoE output token by token: sum over chosen (and not dropped) experts of weight * SwiGLU_e(x)."""
+    p = {k: np.asarray(getattr(layer, k)[...], np.float64) for k in ("router", "w_gate", "w_up", "w_down")}
+    tokens = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    experts, weights = _np_route(tokens, p["router"], layer.moe)
+    out = np.zeros_like(tokens)
+    silu = lambda v: v / (1 + np.exp(-v))
+    for t in range(len(tokens)):
+        for j, (e, wt) in enumerate(zip(experts[t], weights[t])):
+            if drop is not None and drop[t, j]:
+                continue
+            h = silu(tokens[t] @ p["w_gate"][e]) * (tokens[t] @ p["w_up"][e])
+            out[t] += wt * (h @ p["w_down"][e])
+    return out.reshape(x.shape), experts
+
+
+def _layer(cfg) -> MoE:
+    with nnx.use_eager_sharding(False):  # a lone layer on the default device, as Llama creates its layers
+        return MoE(cfg, rngs=nnx.Rngs(0))
+
+
+def _x(shape=(4, 16, 64), seed=1):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
+
+
+def test_dropless_matches_token_by_token_reference():
+    layer = _layer(_moe_cfg())
+    x = _x()
+    y, stats = layer(x)
+    ref, experts = _np_moe(layer, np.asarray(x))
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(stats["load"]), np.bincount(experts.ravel(), minlength=4))
+    assert float(stats["dropped"]) == 0.0
+
+
+def test_capacity_with_room_for_all_equals_dropless():
+    cfg = _moe_cfg("model.moe.dispatch=capacity", "model.moe.capacity_factor=4.0")  # C = T*k: nothing drops
+    dropless = _layer(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless")))
+    cap = _layer(cfg)
+    x = _x()
+    (y1, s1), (y2, s2) = dropless(x), cap(x)
+    assert float(s2["dropped"]) == 0.0
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), rtol=1e-5, atol=1e-7)
+
+
+def test_capacity_drops_exactly_the_assignments_over_capacity():
+    factor = 0.5
+    layer = _layer(_moe_cfg("model.moe.dispatch=capacity", f"model.moe.capacity_factor={factor}"))
+    x = _x()
+    y, stats = layer(x)
+    tokens = np.asarray(x).reshape(-1, 64)
+    experts, _ = _np_route(tokens, np.asarray(layer.router[...]), layer.moe)
+    t, k = experts.shape
+    c = capacity(t, k, 4, factor)
+    # direct count, first choices before second choices, each in token order
+    drop, seen = np.zeros((t, k), bool), np.zeros(4, int)
+    for j in range(k):
+        for tok in range(t):
+            e = experts[tok, j]
+            drop[tok, j] = seen[e] >= c
+            seen[e] += 1
+    assert drop.sum() > 0
+    assert float(stats["dropped"]) / float(stats["assigned"]) == pytest.approx(drop.sum() / drop.size)
+    ref, _ = _np_moe(layer, np.asarray(x), drop)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_aux_losses_match_their_formulas():
+    layer = _layer(_moe_cfg())
+    x = _x()
+    _, stats = layer(x)
+    tokens = np.asarray(x, np.float64).reshape(-1, 64)
+    logits = tokens @ np.asarray(layer.router[...], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts, _ = _np_route(tokens, np.asarray(layer.router[...]), layer.moe)
+    f = np.bincount(experts.ravel(), minlength=4) / experts.size
+    assert float(stats["aux_loss"]) == pytest.approx(4 * np.sum(f * probs.mean(0)), rel=1e-5)
+    lse = np.log(np.exp(logits).sum(-1))
+    assert float(stats["z_loss"]) == pytest.approx(np.mean(lse ** 2), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The aux-loss-free bias
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_aux_free_bias_moves_toward_balance():
+    m = MoEConfig(num_experts=8, num_experts_per_token=2, score_func="sigmoid", aux_free_bias=True)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 16)).astype(np.float32)
+    x[:, 0] = 1.0
+    w = rng.normal(scale=0.1, size=(16, 8)).astype(np.float32)
+    w[0, :2] = 1.0  # skewed: a constant feature makes experts 0 and 1 everyone's first choices
+    x = jnp.asarray(x)
+    params = {"layers": {"mlp": {routing.BIAS_NAME: jnp.zeros((1, 8), jnp.float32)}}}
+    imbalance = []
+    for _ in range(50):
+        bias = params["layers"]["mlp"][routing.BIAS_NAME][0]
+        load = routing.expert_load(routing.route(x, jnp.asarray(w), m, bias).experts, 8)
+        imbalance.append(float(jnp.max(load) / jnp.mean(load)))
+        params = routing.update_expert_bias(params, load[None], 0.01)
+    assert imbalance[0] > 3.5, imbalance[0]  # 4.0 when every token picks experts 0 and 1
+    assert max(imbalance[-5:]) < 0.6 * imbalance[0], imbalance
+
+
+def test_aux_free_bias_is_updated_by_the_train_step_and_checkpointed(tmp_path):
+    from jaxtron.checkpoint import Checkpointer
+    from jaxtron.train.loop import Trainer, put_batch
+
+    cfg = tiny_config(*MOE, "model.moe.score_func=sigmoid", "model.moe.aux_free_bias=true",
+                      "model.moe.bias_update_rate=0.01", "model.moe.first_dense_layers=1", *NONZERO_LR)
+    run = Trainer(cfg, jax.devices()[:1])
+    get_bias = lambda state: np.asarray(state["params"]["layers"]["mlp"][routing.BIAS_NAME])  # noqa: E731
+    assert not get_bias(run.state).any()
+    for seed in range(2):
+        run.state, metrics = run.train_step(run.state, put_batch(synthetic_batch(cfg, seed), run.batch_sharding))
+    bias = get_bias(run.state)
+    assert bias.shape == (1, 4) and np.abs(bias).max() > 0  # sign updates of 0.01 per step
+    assert metrics["moe_load_max_over_mean"] >= 1.0 and float(metrics["moe_dropped"]) == 0.0
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(2, run.state, {})
+    ckpt.wait()
+    restored, _ = ckpt.restore(2, run.spec.abstract_state)
+    ckpt.close()
+    np.testing.assert_array_equal(get_bias(restored), bias)  # bit for bit
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 restored["params"], jax.device_get(run.state["params"]))
