@@ -243,3 +243,45 @@ def test_aux_free_bias_is_updated_by_the_train_step_and_checkpointed(tmp_path):
     np.testing.assert_array_equal(get_bias(restored), bias)  # bit for bit
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  restored["params"], jax.device_get(run.state["params"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parallel layouts equal one device
+# ---------------------------------------------------------------------------------------------------------------
+
+PARALLEL_MOE = (*MOE, "model.moe.first_dense_layers=1", "model.moe.num_shared_experts=1",
+                "model.moe.shared_expert_gate=true", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01",
+                *NONZERO_LR)
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean")
+
+
+def _moe_record(cfg, devices):
+    """helpers.training_record (gradients at init, 3 steps) plus the MoE metrics of each step."""
+    from jaxtron.train.loop import Trainer, put_batch
+
+    trainer = Trainer(cfg, devices)
+    batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
+    grads, metrics = trainer.gradients(batch)
+    record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
+              "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": [], "moe": []}
+    for _ in range(3):
+        m = trainer.step(batch)
+        record["losses"].append(float(m["loss"]))
+        record["grad_norms"].append(float(m["grad_norm"]))
+        record["moe"].append([float(m[k]) for k in MOE_METRICS])
+    return record
+
+
+def test_dropless_moe_on_data2_fsdp2_tensor2_equals_one_device():
+    """Losses over 3 steps with a non-zero learning rate, every gradient leaf (router, experts, shared expert
+    and its gate, the dense first layer) and the router losses and loads: relative 1e-5 in fp32. The aux and z
+    losses carry non-zero coefficients, so their gradients are part of the comparison."""
+    from helpers import assert_same_training
+
+    one = _moe_record(tiny_config(*PARALLEL_MOE, "parallel.data=1"), jax.devices()[:1])
+    eight = _moe_record(tiny_config(*PARALLEL_MOE, "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"),
+                        jax.devices())
+    assert_same_training(eight, one)
+    np.testing.assert_allclose(eight["moe"], one["moe"], rtol=1e-5)
+    assert set(one["grads"]["layers"]["mlp"]) >= {"router", "w_gate", "w_up", "w_down", "shared", "shared_gate"}
+    assert "dense_layers" in one["grads"]
