@@ -141,6 +141,9 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
 
 
 def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
+    if cfg.moe.num_experts:
+        raise ValueError("model.moe.num_experts: Hugging Face export of MoE models (MixtralForCausalLM, "
+                         "Qwen3MoeForCausalLM) is not built yet")
     arch = architecture or ("Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture: {arch!r} is not one of {sorted(ARCHITECTURES)}")
