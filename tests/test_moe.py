@@ -285,3 +285,25 @@ def test_dropless_moe_on_data2_fsdp2_tensor2_equals_one_device():
     np.testing.assert_allclose(eight["moe"], one["moe"], rtol=1e-5)
     assert set(one["grads"]["layers"]["mlp"]) >= {"router", "w_gate", "w_up", "w_down", "shared", "shared_gate"}
     assert "dense_layers" in one["grads"]
+
+
+def test_cached_decoding_of_grouped_moe_layers_equals_the_full_forward():
+    """first_dense_layers=1 and layer_freq=3 (a dense stack, then a scanned group of 2 dense + 1 MoE): the
+    KV-cache path hands each stack its slice of the cache and gives the logits of the plain forward."""
+    from jaxtron.model import Llama
+    from jaxtron.model.cache import init_cache
+    from jaxtron.model.llama import layer_stacks
+
+    cfg = tiny_config(*MOE, "model.num_layers=4", "model.moe.first_dense_layers=1", "model.moe.layer_freq=3").model
+    assert layer_stacks(cfg) == [("dense_layers", 1, 1), ("layers", 1, 3)]
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    graphdef, state = nnx.split(model)
+    full = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p))(state, tokens, positions)
+    cached = jax.jit(lambda st, *a: nnx.merge(graphdef, st).forward_cached(*a))  # jitted: eager is far slower
+    start = jnp.zeros((2,), jnp.int32)
+    first, cache = cached(state, tokens[:, :5], positions[:, :5], init_cache(cfg, 2, 8), 0, start)
+    rest, cache = cached(state, tokens[:, 5:], positions[:, 5:], cache, 5, start)
+    np.testing.assert_allclose(np.concatenate([first, rest], axis=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.k.shape[0] == 4
