@@ -307,3 +307,23 @@ def test_cached_decoding_of_grouped_moe_layers_equals_the_full_forward():
     rest, cache = cached(state, tokens[:, 5:], positions[:, 5:], cache, 5, start)
     np.testing.assert_allclose(np.concatenate([first, rest], axis=1), full, rtol=1e-5, atol=1e-5)
     assert cache.k.shape[0] == 4
+
+
+@pytest.mark.parametrize("preset", ["mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3_small"])
+def test_flops_count_active_experts_as_megatron(preset):
+    """Megatron's num_floating_point_operations with MoE (routed top-k + shared experts, dense layers at their
+    own width) plus the router's 2 * hidden * E per MoE layer, which jaxtron counts and Megatron does not."""
+    from jaxtron.train.flops import flops_per_token, moe_layer_count
+
+    m = config_lib.load(preset).model
+    e, h, L, s = m.moe, m.hidden_size, m.num_layers, 4096
+    n_moe = moe_layer_count(m)
+    hd = config_lib.head_dim(m)
+    attn = (1 + m.num_kv_heads / m.num_heads + s / h) * hd * m.num_heads / h
+    shared = e.num_shared_experts * (e.shared_expert_intermediate_size or e.expert_intermediate_size)
+    mlp = ((L - n_moe) * m.intermediate_size + n_moe * (e.expert_intermediate_size * e.num_experts_per_token
+                                                         + shared)) * 1.5 / (L * h)
+    megatron = 12 * L * h * h * (attn + mlp + m.vocab_size / (2 * L * h))
+    router = 3 * 2 * h * e.num_experts * n_moe
+    assert flops_per_token(m, s) == pytest.approx(megatron + router, rel=1e-12)
+    assert router < 0.005 * megatron
