@@ -3,9 +3,19 @@ aux-loss-free bias, and parallel equality. Small shapes: the file runs in well u
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import NONZERO_LR, synthetic_batch, tiny_config
 from jaxtron import config as config_lib
+from jaxtron.config.schema import MoEConfig
+from jaxtron.model import routing
+from jaxtron.model.moe import MoE, capacity
 from jaxtron.train.__main__ import main
 
 MOE = ["model.moe.num_experts=4", "model.moe.num_experts_per_token=2", "model.moe.expert_intermediate_size=32"]
@@ -48,19 +58,6 @@ def test_good_moe_configs_validate():
 # ---------------------------------------------------------------------------------------------------------------
 # Routing and dispatch against direct numpy references
 # ---------------------------------------------------------------------------------------------------------------
-
-import dataclasses  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from helpers import NONZERO_LR, synthetic_batch, tiny_config  # noqa: E402
-from jaxtron.config.schema import MoEConfig  # noqa: E402
-from jaxtron.model import routing  # noqa: E402
-from jaxtron.model.moe import MoE, capacity  # noqa: E402
-
 
 def _np_route(x, w, m: MoEConfig, bias=None):
     """Top-k routing written out token by token in float64."""

@@ -105,10 +105,6 @@ def _stacked(count: int, make, rngs: nnx.Rngs):
     return create(rngs)
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderBlock:
-    return _stacked(cfg.num_layers, lambda r: DecoderBlock(cfg, rngs=r), rngs)
-
-
 def layer_stacks(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     """(params key, scanned units, decoder layers per unit) of each stack, in forward order."""
     e = cfg.moe
