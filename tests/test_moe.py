@@ -324,3 +324,19 @@ def test_flops_count_active_experts_as_megatron(preset):
     router = 3 * 2 * h * e.num_experts * n_moe
     assert flops_per_token(m, s) == pytest.approx(megatron + router, rel=1e-12)
     assert router < 0.005 * megatron
+
+
+def test_gradient_accumulation_sums_the_expert_load_of_every_micro_batch():
+    """4 micro batches of 2 on one device against the batch of 8: the same loss and gradient norm (router
+    losses off, so the objective is the cross entropy alone), the same z-loss (a per-token mean), and the same
+    max/mean expert load, which is only so if the step sums the loads of all micro batches."""
+    from jaxtron.train.loop import Trainer, put_batch
+
+    def first_step(*overrides):
+        cfg = tiny_config(*MOE, *NONZERO_LR, "parallel.data=1", *overrides)
+        run = Trainer(cfg, jax.devices()[:1])
+        m = run.step(put_batch(synthetic_batch(cfg, 0), run.batch_sharding))
+        return {k: float(m[k]) for k in ("loss", "grad_norm", "moe_z_loss", "moe_load_max_over_mean")}
+
+    whole, accumulated = first_step(), first_step("train.micro_batch_size=2")
+    assert accumulated == pytest.approx(whole, rel=1e-5)
