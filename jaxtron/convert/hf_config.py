@@ -1,5 +1,5 @@
 """Hugging Face config.json <-> jaxtron :class:`~jaxtron.config.ModelConfig`: the supported architectures
-(``LlamaForCausalLM``, ``Qwen2ForCausalLM``), RoPE (default and llama3 scaling, in the transformers 4 and 5
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MixtralForCausalLM``), RoPE (default and llama3 scaling, in the transformers 4 and 5
 spellings), the checks for options jaxtron's model does not implement, and the reverse mapping."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
+from jaxtron.config.schema import MoEConfig
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MixtralForCausalLM": "mixtral"}
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 
 CONFIG_NAME = "config.json"
@@ -94,6 +95,9 @@ def _check_unsupported(hf: Mapping, arch: str, source: str) -> None:
     if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias=true is not supported for LlamaForCausalLM (it adds an "
                          f"o_proj bias; jaxtron has Q/K/V biases only, as in Qwen2)")
+    if arch == "MixtralForCausalLM" and hf.get("sliding_window"):
+        raise ValueError(f"{source}: sliding_window={hf['sliding_window']} is not supported (jaxtron attention "
+                         f"is full causal)")
     if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (jaxtron attention is full "
                          f"causal)")
@@ -123,6 +127,14 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
                          f"num_key_value_heads={kv_heads}")
     if hd % 2:
         raise ValueError(f"{source}: head_dim={hd} must be even for RoPE")
+    moe = MoEConfig()
+    if arch == "MixtralForCausalLM":
+        # every layer: softmax over the router logits, top-k renormalized (Mixtral's softmax of the top-k)
+        moe = MoEConfig(num_experts=int(_get(hf, "num_local_experts", source)),
+                        num_experts_per_token=int(_get(hf, "num_experts_per_tok", source)),
+                        expert_intermediate_size=int(_get(hf, "intermediate_size", source)),
+                        score_func="softmax", norm_topk_prob=True,
+                        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0) or 0.0))
     return ModelConfig(
         vocab_size=int(_get(hf, "vocab_size", source)),
         hidden_size=hidden,
@@ -137,13 +149,17 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
         initializer_range=float(hf.get("initializer_range", 0.02)),
+        moe=moe,
     )
 
 
 def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
     if cfg.moe.num_experts:
-        raise ValueError("model.moe.num_experts: Hugging Face export of MoE models (MixtralForCausalLM, "
-                         "Qwen3MoeForCausalLM) is not built yet")
+        _check_mixtral(cfg)
+        arch = architecture or "MixtralForCausalLM"
+        if arch != "MixtralForCausalLM":
+            raise ValueError(f"architecture: an MoE model saves as MixtralForCausalLM, not {arch!r}")
+        return arch
     arch = architecture or ("Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture: {arch!r} is not one of {sorted(ARCHITECTURES)}")
@@ -153,6 +169,20 @@ def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
         raise ValueError("model.qkv_bias: Qwen2ForCausalLM always has Q/K/V biases; set model.qkv_bias=true "
                          "or save as LlamaForCausalLM")
     return arch
+
+
+def _check_mixtral(cfg: ModelConfig) -> None:
+    """The MoE configs MixtralForCausalLM can hold: every layer routed, softmax top-k renormalized, nothing
+    else (shared experts, grouping, biases... have no Mixtral spelling; Qwen3-MoE export is not built)."""
+    e, d = cfg.moe, dataclasses.asdict(MoEConfig())
+    plain = {"num_shared_experts": 0, "first_dense_layers": 0, "layer_freq": 1, "score_func": "softmax",
+             "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "aux_free_bias": False}
+    for name, want in plain.items():
+        if getattr(e, name) != want:
+            raise ValueError(f"model.moe.{name}: {getattr(e, name)!r} has no MixtralForCausalLM equivalent "
+                             f"(needs {want!r}; default {d[name]!r})")
+    if cfg.qkv_bias:
+        raise ValueError("model.qkv_bias: MixtralForCausalLM has no Q/K/V biases")
 
 
 def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
@@ -207,6 +237,11 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
     }
     if arch == "LlamaForCausalLM":
         hf.update(attention_bias=False, mlp_bias=False)
+    elif arch == "MixtralForCausalLM":
+        e = cfg.moe
+        hf.update(intermediate_size=e.expert_intermediate_size, num_local_experts=e.num_experts,
+                  num_experts_per_tok=e.num_experts_per_token, router_aux_loss_coef=e.aux_loss_coef,
+                  output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
     else:
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
     return hf
