@@ -14,7 +14,7 @@ from jaxtron import config as config_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs")
 PAGES = ["index.md", "install.md", "api.md", "config.md", "parallelism.md", "data.md", "checkpoints.md",
-         "multihost.md", "planner.md", "kernels.md"]
+         "multihost.md", "planner.md", "kernels.md", "moe.md"]
 SECTIONS = tuple(f.name for f in dataclasses.fields(config_lib.Config))
 
 

@@ -14,8 +14,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 # The presets describe GPU clusters; here the same model lowers on 8 CPU devices with the XLA attention.
-# The 64-GPU 70B layout keeps its tensor-parallel 8 (and sequence parallelism) and drops FSDP to fit.
-CPU_FIT = {"llama3_70b.yaml": ["parallel.fsdp=1", "parallel.tensor=8"]}
+# The 64-GPU 70B layout keeps its tensor-parallel 8 (and sequence parallelism) and drops FSDP to fit; the 16-GPU
+# Mixtral layout takes FSDP over the 8.
+CPU_FIT = {"llama3_70b.yaml": ["parallel.fsdp=1", "parallel.tensor=8"],
+           "mixtral_8x7b.yaml": ["parallel.fsdp=8"]}  # two nodes' FSDP over 16 -> 8
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)

@@ -40,6 +40,46 @@ class RopeScalingConfig:
 
 
 @dataclass
+class MoEConfig:
+    num_experts: int = _f(0, "Routed experts per MoE layer; 0: a dense model (every layer a SwiGLU MLP).")
+    num_experts_per_token: int = _f(2, "Top-k: experts each token is sent to.")
+    expert_intermediate_size: int = _f(256, "SwiGLU hidden width of each routed expert (Megatron's "
+                                            "moe_ffn_hidden_size).")
+    num_shared_experts: int = _f(0, "Shared experts every token goes through (DeepSeek, Qwen2-MoE); they run as "
+                                    "one SwiGLU of num_shared_experts * shared_expert_intermediate_size.")
+    shared_expert_intermediate_size: Optional[int] = _f(None, "Hidden width of one shared expert; default "
+                                                              "expert_intermediate_size.")
+    shared_expert_gate: bool = _f(False, "Scale the shared experts' output by sigmoid(x . w) per token (Qwen2-MoE's "
+                                         "shared_expert_gate).")
+    first_dense_layers: int = _f(0, "The first N decoder layers keep the dense SwiGLU MLP (model.intermediate_size; "
+                                    "DeepSeek's first_k_dense_replace).")
+    layer_freq: int = _f(1, "Of the layers after first_dense_layers, every layer_freq-th is MoE and the others "
+                            "dense (layer j counted from there is MoE when (j+1) % layer_freq == 0, Qwen's "
+                            "decoder_sparse_step); num_layers - first_dense_layers must be a multiple of it.")
+    score_func: str = _f("softmax", "Router scores: 'softmax' (Mixtral, Qwen-MoE) or 'sigmoid' (DeepSeek-V3).")
+    norm_topk_prob: bool = _f(True, "Renormalize the top-k routing weights of a token to sum to 1.")
+    routed_scaling_factor: float = _f(1.0, "Multiply the routed experts' output by this (DeepSeek-V3: 2.5).")
+    n_group: int = _f(1, "Grouped top-k: experts split into this many groups (DeepSeek-V3: 8); 1 = plain top-k.")
+    topk_group: int = _f(1, "Grouped top-k: a token picks its experts from its best topk_group groups (a group "
+                            "scores the sum of its best two experts).")
+    aux_free_bias: bool = _f(False, "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the "
+                                    "scores for expert selection only (not to the weights), kept in the model "
+                                    "state (checkpointed) and moved by bias_update_rate * sign(mean load - load) "
+                                    "after every train step, without gradient.")
+    bias_update_rate: float = _f(1e-3, "aux_free_bias: the step size of the bias update (DeepSeek-V3's gamma).")
+    aux_loss_coef: float = _f(0.0, "Coefficient of the load-balancing loss E * sum_e f_e * P_e (Switch/Mixtral, "
+                                   "over the whole (micro) batch) added to the training loss per MoE layer, "
+                                   "averaged over the MoE layers.")
+    z_loss_coef: float = _f(0.0, "Coefficient of the router z-loss mean(logsumexp(router logits)^2) added to the "
+                                 "training loss (averaged over the MoE layers).")
+    dispatch: str = _f("dropless", "'dropless': tokens sorted by expert, grouped matmuls (jax.lax.ragged_dot), "
+                                   "none dropped; 'capacity': at most capacity_factor * tokens * k / experts "
+                                   "tokens per expert, the rest dropped (their residual passes through), dense "
+                                   "per-expert matmuls.")
+    capacity_factor: float = _f(1.25, "capacity dispatch: expert capacity as a multiple of the balanced load.")
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = _f(256, "Vocabulary size (rows of the embedding table).")
     hidden_size: int = _f(256, "Model width d_model.")
@@ -77,6 +117,8 @@ class ModelConfig:
     dtype: str = _f("auto", "Compute dtype for matmuls and activations; 'auto': bfloat16 on GPU/TPU, float32 on "
                             "CPU (where bf16 elementwise ops are emulated and slower).")
     param_dtype: str = _f("float32", "Master weight dtype (optimizer state follows it).")
+    moe: MoEConfig = _f(doc="Mixture-of-Experts feed-forward layers (docs/moe.md); num_experts=0: dense.",
+                        factory=MoEConfig)
 
 
 @dataclass

@@ -17,6 +17,8 @@ KERNEL_IMPLS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
+MOE_SCORE_FUNCS = ("softmax", "sigmoid")
+MOE_DISPATCH = ("dropless", "capacity")
 
 
 def check(cond: bool, field_name: str, message: str) -> None:
@@ -41,6 +43,7 @@ def validate(cfg: Config) -> Config:
     from jaxtron.parallel import layout
 
     _validate_model(cfg)
+    _validate_moe(cfg)
     kernels.check(cfg)
     layout.check_parallel(cfg)
     _validate_optim(cfg)
@@ -75,6 +78,47 @@ def _validate_model(cfg: Config) -> None:
                                                              "original_max_position_embeddings")))
         check(rs.high_freq_factor > rs.low_freq_factor, "model.rope_scaling.high_freq_factor",
               f"must be > low_freq_factor ({rs.low_freq_factor}), got {rs.high_freq_factor}")
+
+
+def _validate_moe(cfg: Config) -> None:
+    e, m = cfg.model.moe, cfg.model
+    check(e.num_experts >= 0, "model.moe.num_experts", f"must be >= 0 (0: dense), got {e.num_experts}")
+    if e.num_experts == 0:
+        return
+    _positive(cfg, "model.moe.num_experts_per_token", "model.moe.expert_intermediate_size", "model.moe.layer_freq",
+              "model.moe.n_group", "model.moe.topk_group", "model.moe.routed_scaling_factor")
+    check(e.num_experts_per_token <= e.num_experts, "model.moe.num_experts_per_token",
+          f"top-k {e.num_experts_per_token} > model.moe.num_experts={e.num_experts}")
+    check(e.num_shared_experts >= 0, "model.moe.num_shared_experts", f"must be >= 0, got {e.num_shared_experts}")
+    check(e.shared_expert_intermediate_size is None or e.shared_expert_intermediate_size > 0,
+          "model.moe.shared_expert_intermediate_size", f"must be > 0, got {e.shared_expert_intermediate_size}")
+    check(not e.shared_expert_gate or e.num_shared_experts > 0, "model.moe.shared_expert_gate",
+          "needs model.moe.num_shared_experts > 0")
+    check(0 <= e.first_dense_layers < m.num_layers, "model.moe.first_dense_layers",
+          f"must be in [0, model.num_layers={m.num_layers}), got {e.first_dense_layers}")
+    check((m.num_layers - e.first_dense_layers) % e.layer_freq == 0, "model.moe.layer_freq",
+          f"{e.layer_freq} does not divide the {m.num_layers - e.first_dense_layers} layers after "
+          f"model.moe.first_dense_layers (the MoE layers are scanned in groups of layer_freq)")
+    _one_of(cfg, "model.moe.score_func", MOE_SCORE_FUNCS)
+    _one_of(cfg, "model.moe.dispatch", MOE_DISPATCH)
+    check(e.num_experts % e.n_group == 0, "model.moe.n_group",
+          f"{e.n_group} groups do not divide model.moe.num_experts={e.num_experts}")
+    check(e.topk_group <= e.n_group, "model.moe.topk_group", f"{e.topk_group} > model.moe.n_group={e.n_group}")
+    per_group = e.num_experts // e.n_group
+    # a group scores the sum of its best two experts (DeepSeek-V3), so it needs two when grouping is on
+    check(e.n_group == 1 or per_group >= 2, "model.moe.n_group",
+          f"{e.n_group} groups leave {per_group} expert per group; grouped top-k needs >= 2")
+    check(e.num_experts_per_token <= e.topk_group * per_group, "model.moe.num_experts_per_token",
+          f"top-k {e.num_experts_per_token} > the {e.topk_group * per_group} experts of model.moe.topk_group="
+          f"{e.topk_group} groups")
+    check(e.bias_update_rate >= 0, "model.moe.bias_update_rate", f"must be >= 0, got {e.bias_update_rate}")
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        v = getattr(e, name)
+        check(v >= 0, f"model.moe.{name}", f"must be >= 0, got {v}")
+    check(e.capacity_factor > 0, "model.moe.capacity_factor", f"must be > 0, got {e.capacity_factor}")
+    # the pipeline runs one stacked 'layers' group per stage and carries no MoE losses across stages yet
+    check(cfg.parallel.stage == 1, "parallel.stage", "MoE models (model.moe.num_experts > 0) do not run with "
+          "pipeline stages yet; use parallel.stage=1")
 
 
 def _validate_optim(cfg: Config) -> None:

@@ -1,6 +1,7 @@
 """Hugging Face config.json <-> jaxtron :class:`~jaxtron.config.ModelConfig`: the supported architectures
-(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``), RoPE (default and llama3 scaling, in the
-transformers 4 and 5 spellings), the checks for options jaxtron's model does not implement, and the reverse mapping."""
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``), RoPE (default and
+llama3 scaling, in the transformers 4 and 5 spellings), the checks for options jaxtron's model does not implement,
+and the reverse mapping."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
+from jaxtron.config.schema import MoEConfig
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "MixtralForCausalLM": "mixtral"}
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 
 CONFIG_NAME = "config.json"
@@ -97,6 +100,9 @@ def _check_unsupported(hf: Mapping, arch: str, source: str) -> None:
     if arch == "Qwen3ForCausalLM" and hf.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias=true is not supported for Qwen3ForCausalLM (it adds Q/K/V "
                          f"and o_proj biases; jaxtron has no o_proj bias)")
+    if arch == "MixtralForCausalLM" and hf.get("sliding_window"):
+        raise ValueError(f"{source}: sliding_window={hf['sliding_window']} is not supported (jaxtron attention "
+                         f"is full causal)")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (jaxtron attention is full "
                          f"causal)")
@@ -128,6 +134,14 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
                          f"num_key_value_heads={kv_heads}")
     if hd % 2:
         raise ValueError(f"{source}: head_dim={hd} must be even for RoPE")
+    moe = MoEConfig()
+    if arch == "MixtralForCausalLM":
+        # every layer: softmax over the router logits, top-k renormalized (Mixtral's softmax of the top-k)
+        moe = MoEConfig(num_experts=int(_get(hf, "num_local_experts", source)),
+                        num_experts_per_token=int(_get(hf, "num_experts_per_tok", source)),
+                        expert_intermediate_size=int(_get(hf, "intermediate_size", source)),
+                        score_func="softmax", norm_topk_prob=True,
+                        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0) or 0.0))
     return ModelConfig(
         vocab_size=int(_get(hf, "vocab_size", source)),
         hidden_size=hidden,
@@ -143,10 +157,17 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
         qkv_bias=arch == "Qwen2ForCausalLM",
         qk_norm=arch == "Qwen3ForCausalLM",
         initializer_range=float(hf.get("initializer_range", 0.02)),
+        moe=moe,
     )
 
 
 def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
+    if cfg.moe.num_experts:
+        _check_mixtral(cfg)
+        arch = architecture or "MixtralForCausalLM"
+        if arch != "MixtralForCausalLM":
+            raise ValueError(f"architecture: an MoE model saves as MixtralForCausalLM, not {arch!r}")
+        return arch
     arch = architecture or ("Qwen3ForCausalLM" if cfg.qk_norm else
                             "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
     if arch not in ARCHITECTURES:
@@ -163,6 +184,23 @@ def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
         raise ValueError("model.qkv_bias: Qwen2ForCausalLM always has Q/K/V biases; set model.qkv_bias=true "
                          "or save as LlamaForCausalLM")
     return arch
+
+
+def _check_mixtral(cfg: ModelConfig) -> None:
+    """The MoE configs MixtralForCausalLM can hold: every layer routed, softmax top-k renormalized, nothing
+    else (shared experts, grouping, biases... have no Mixtral spelling; Qwen3-MoE export is not built)."""
+    e, d = cfg.moe, dataclasses.asdict(MoEConfig())
+    plain = {"num_shared_experts": 0, "first_dense_layers": 0, "layer_freq": 1, "score_func": "softmax",
+             "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "aux_free_bias": False}
+    for name, want in plain.items():
+        if getattr(e, name) != want:
+            raise ValueError(f"model.moe.{name}: {getattr(e, name)!r} has no MixtralForCausalLM equivalent "
+                             f"(needs {want!r}; default {d[name]!r})")
+    if cfg.qkv_bias:
+        raise ValueError("model.qkv_bias: MixtralForCausalLM has no Q/K/V biases")
+    if cfg.qk_norm:
+        raise ValueError("model.qk_norm: MixtralForCausalLM has no Q/K norms (Qwen3-MoE's import/export is not "
+                         "built yet)")
 
 
 def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
@@ -218,6 +256,11 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
     }
     if arch == "LlamaForCausalLM":
         hf.update(attention_bias=False, mlp_bias=False)
+    elif arch == "MixtralForCausalLM":
+        e = cfg.moe
+        hf.update(intermediate_size=e.expert_intermediate_size, num_local_experts=e.num_experts,
+                  num_experts_per_tok=e.num_experts_per_token, router_aux_loss_coef=e.aux_loss_coef,
+                  output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
     else:
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
     if arch == "Qwen3ForCausalLM":

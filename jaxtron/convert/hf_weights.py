@@ -22,6 +22,16 @@ model.layers.{i}.mlp.down_proj.weight [d, f]       layers.mlp.w_down           x
 Qwen3 adds ``model.layers.{i}.self_attn.{q,k}_norm.weight [k]`` <-> ``layers.attention.{q,k}_norm.scale``
 (``x[i]``), the per-head RMSNorm scales of ``model.qk_norm``.
 
+Mixtral (``MixtralForCausalLM``; transformers 5 still writes these per-expert names) replaces the three MLP
+rows with, for expert ``j``:
+
+=====================================================  =====================  ===================
+model.layers.{i}.block_sparse_moe.gate.weight [E, d]   layers.mlp.router      x[i].T
+model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight  layers.mlp.w_gate    x[i, j].T
+model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight  layers.mlp.w_up      x[i, j].T
+model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight  layers.mlp.w_down    x[i, j].T
+=====================================================  =====================  ===================
+
 jaxtron's RoPE uses the same rotate-half convention as Hugging Face, so q/k weights need no permutation.
 Every mapping above is a reshape plus a transpose, i.e. a *view*: :func:`params_to_hf` returns views of
 the jaxtron arrays, and :func:`params_from_hf` writes each HF tensor straight into a view of the stacked
@@ -86,6 +96,7 @@ class _Spec:
     path: tuple[str, ...]
     to_hf: Callable[[np.ndarray], np.ndarray]
     stacked: bool = False
+    experts: int = 0  # > 0: also one HF tensor per expert ({j}), a second stacked axis of that size
 
 
 def _specs(cfg: ModelConfig) -> list[_Spec]:
@@ -113,12 +124,23 @@ def _specs(cfg: ModelConfig) -> list[_Spec]:
         ]
     layer += [
         ("post_attention_layernorm.weight", ("mlp_norm", "scale"), _same),
-        ("mlp.gate_proj.weight", ("mlp", "w_gate"), _linear_in),
-        ("mlp.up_proj.weight", ("mlp", "w_up"), _linear_in),
-        ("mlp.down_proj.weight", ("mlp", "w_down"), _linear_out),
     ]
+    experts = []
+    if cfg.moe.num_experts:  # Mixtral: every layer routed (hf_config checks the config has that shape)
+        layer.append(("block_sparse_moe.gate.weight", ("mlp", "router"), _linear_in))
+        experts = [("block_sparse_moe.experts.{j}.w1.weight", ("mlp", "w_gate"), _linear_in),
+                   ("block_sparse_moe.experts.{j}.w2.weight", ("mlp", "w_down"), _linear_out),
+                   ("block_sparse_moe.experts.{j}.w3.weight", ("mlp", "w_up"), _linear_in)]
+    else:
+        layer += [
+            ("mlp.gate_proj.weight", ("mlp", "w_gate"), _linear_in),
+            ("mlp.up_proj.weight", ("mlp", "w_up"), _linear_in),
+            ("mlp.down_proj.weight", ("mlp", "w_down"), _linear_out),
+        ]
     specs += [_Spec(f"model.layers.{{i}}.{name}", ("layers",) + path, fn, stacked=True)
               for name, path, fn in layer]
+    specs += [_Spec(f"model.layers.{{i}}.{name}", ("layers",) + path, fn, stacked=True,
+                    experts=cfg.moe.num_experts) for name, path, fn in experts]
     specs.append(_Spec("model.norm.weight", ("final_norm", "scale"), _same))
     if not cfg.tie_embeddings:
         specs.append(_Spec("lm_head.weight", ("lm_head",), _linear_in))
@@ -126,7 +148,17 @@ def _specs(cfg: ModelConfig) -> list[_Spec]:
 
 
 def _hf_names(cfg: ModelConfig, spec: _Spec) -> list[str]:
+    """The HF names of a spec: one, one per layer, or one per layer and expert (layer-major)."""
+    if spec.experts:
+        return [spec.hf_name.format(i=i, j=j) for i in range(cfg.num_layers) for j in range(spec.experts)]
     return [spec.hf_name.format(i=i) for i in range(cfg.num_layers)] if spec.stacked else [spec.hf_name]
+
+
+def _per_tensor(arr, spec: _Spec) -> list:
+    """The (views of) per-HF-tensor slices of a jaxtron array, in :func:`_hf_names` order."""
+    if spec.experts:
+        return [arr[i, j] for i in range(arr.shape[0]) for j in range(spec.experts)]
+    return [arr[i] for i in range(arr.shape[0])] if spec.stacked else [arr]
 
 
 def _tree_get(tree: Mapping, path: tuple[str, ...], what: str) -> Any:
@@ -165,8 +197,8 @@ def params_to_hf(cfg: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
             if arr.ndim == 0 or arr.shape[0] != cfg.num_layers:
                 raise ValueError(f"params_to_hf: {'.'.join(spec.path)} has shape {arr.shape}; expected a leading "
                                  f"layers axis of {cfg.num_layers}")
-            for i, name in enumerate(_hf_names(cfg, spec)):
-                out[name] = spec.to_hf(arr[i])
+            for name, part in zip(_hf_names(cfg, spec), _per_tensor(arr, spec)):
+                out[name] = spec.to_hf(part)
         else:
             out[spec.hf_name] = spec.to_hf(arr)
     return out
@@ -197,7 +229,7 @@ def _check_hf_tensors(cfg: ModelConfig, tensors: Mapping, shapes: dict) -> None:
     used = set()
     for spec in _specs(cfg):
         leaf_shape = tuple(_tree_get(shapes, spec.path, "model").shape)
-        expected = _hf_shape(spec, leaf_shape[1:] if spec.stacked else leaf_shape)
+        expected = _hf_shape(spec, leaf_shape[(2 if spec.experts else 1) if spec.stacked else 0:])
         for name in _hf_names(cfg, spec):
             used.add(name)
             if name not in tensors:
@@ -221,7 +253,7 @@ def _fill_from_hf(spec: _Spec, names: list[str], shape: tuple[int, ...], dtype: 
     stacked): each HF tensor is copied straight into a view of the result, so no temporaries pile up.
     Names and shapes were checked by :func:`_check_hf_tensors`."""
     out = np.empty(shape, dtype)
-    targets = [out[i] for i in range(len(names))] if spec.stacked else [out]
+    targets = _per_tensor(out, spec)
     for name, target in zip(names, targets):
         src = tensors[name]
         if not jnp.issubdtype(src.dtype, jnp.floating):

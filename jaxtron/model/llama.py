@@ -6,6 +6,17 @@
 
 The decoder blocks are created stacked (a leading ``layers`` axis on every block weight) and run with
 ``jax.lax.scan``, so compile time does not grow with depth; the remat policy wraps the scanned block.
+
+Mixture-of-Experts models (``model.moe.num_experts > 0``) group their layers by kind, each group a stack of
+its own, scanned one after the other (docs/moe.md):
+
+- ``dense_layers``: the first ``model.moe.first_dense_layers`` blocks, dense SwiGLU (absent when 0);
+- ``layers``: the rest, one scanned unit per ``model.moe.layer_freq`` layers. With layer_freq 1 the unit is a
+  :class:`DecoderBlock` whose ``mlp`` is an :class:`~jaxtron.model.moe.MoE`; otherwise a :class:`MoEGroup` of
+  layer_freq - 1 dense blocks (``dense_0``...) and then one MoE block (``moe``).
+
+Dense models keep the single ``layers`` stack of dense blocks, so their parameter tree, checkpoints, pipeline
+stages and Hugging Face mappings are unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from flax import nnx
 from jaxtron.config import ModelConfig, compute_dtype
 from jaxtron.model.cache import KVCache, LayerCache, cache_mask
 from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
+from jaxtron.model.moe import MoE
 from jaxtron.model.projection import project
 from jaxtron.parallel.sharding import constrain
 
@@ -31,32 +43,83 @@ REMAT_POLICIES = {
 
 
 class DecoderBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """Attention and a feed-forward block, pre-norm. With ``moe=True`` the feed-forward block is an
+    :class:`~jaxtron.model.moe.MoE` and the (uncached) call returns ``(x, router stats)``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         pd = jnp.dtype(cfg.param_dtype)
+        self.is_moe = moe
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
         self.attention = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
-        self.mlp = SwiGLU(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else SwiGLU(cfg, rngs=rngs)
+
+    def _ffn(self, x):
+        out = self.mlp(self.mlp_norm(x))
+        return out if self.is_moe else (out, None)
 
     def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
         if cache is not None:  # decoding: the same block, its attention reading and writing the KV cache
             a, kv = self.attention(self.attn_norm(x), rope, segment_ids, cache)
             x = constrain(x + a, RESIDUAL)
-            return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL), kv
+            return constrain(x + self._ffn(x)[0], RESIDUAL), kv
         x = x + self.attention(self.attn_norm(x), rope, segment_ids)
         x = constrain(x, RESIDUAL)
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, RESIDUAL)
+        y, stats = self._ffn(x)
+        x = constrain(x + y, RESIDUAL)
+        return (x, stats) if self.is_moe else x
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderBlock:
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers,
-              transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(rngs: nnx.Rngs) -> DecoderBlock:
-        return DecoderBlock(cfg, rngs=rngs)
+class MoEGroup(nnx.Module):
+    """One scanned unit of an MoE model with ``model.moe.layer_freq`` = F > 1: F - 1 dense blocks, then an MoE
+    block (Qwen's decoder_sparse_step: layer j is MoE when (j+1) % F == 0). Unrolled inside the unit: F is
+    small, and the unit itself is scanned."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.num_dense = cfg.moe.layer_freq - 1
+        for i in range(self.num_dense):
+            setattr(self, f"dense_{i}", DecoderBlock(cfg, rngs=rngs))
+        self.moe = DecoderBlock(cfg, rngs=rngs, moe=True)
+
+    def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
+        """Without ``cache``: (x, stats). With it (k and v [F, ...], one per block): (x, (k, v))."""
+        blocks = [getattr(self, f"dense_{i}") for i in range(self.num_dense)] + [self.moe]
+        if cache is None:
+            for blk in blocks[:-1]:
+                x = blk(x, rope, segment_ids)
+            return self.moe(x, rope, segment_ids)
+        ks, vs = [], []
+        for i, blk in enumerate(blocks):
+            x, (k, v) = blk(x, rope, segment_ids, LayerCache(cache.k[i], cache.v[i], cache.index, cache.mask))
+            ks.append(k)
+            vs.append(v)
+        return x, (jnp.stack(ks), jnp.stack(vs))
+
+
+def _stacked(count: int, make, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs):
+        return make(rngs)
 
     return create(rngs)
+
+
+def layer_stacks(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(params key, scanned units, decoder layers per unit) of each stack, in forward order."""
+    e = cfg.moe
+    if not e.num_experts:
+        return [("layers", cfg.num_layers, 1)]
+    stacks = [("dense_layers", e.first_dense_layers, 1)] if e.first_dense_layers else []
+    return stacks + [("layers", (cfg.num_layers - e.first_dense_layers) // e.layer_freq, e.layer_freq)]
+
+
+def _make_stack(cfg: ModelConfig, key: str, units: int, rngs: nnx.Rngs):
+    if key == "dense_layers" or not cfg.moe.num_experts:
+        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r), rngs)
+    if cfg.moe.layer_freq == 1:
+        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r, moe=True), rngs)
+    return _stacked(units, lambda r: MoEGroup(cfg, rngs=r), rngs)
 
 
 class Llama(nnx.Module):
@@ -75,7 +138,8 @@ class Llama(nnx.Module):
         with nnx.use_eager_sharding(False):
             self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                cfg.initializer_range, pd)
-            self.layers = _stacked_blocks(cfg, rngs)
+            for key, units, _ in layer_stacks(cfg):
+                setattr(self, key, _make_stack(cfg, key, units, rngs))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
             if not cfg.tie_embeddings:
                 self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
@@ -106,20 +170,33 @@ class Llama(nnx.Module):
             return Rope(positions, inv_freq, *rope_tables(positions, inv_freq))
         return Rope(positions, inv_freq)
 
+    def forward_with_stats(self, tokens: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]):
+        """(fp32 logits, MoE router stats): the stats are a dict of per-MoE-layer arrays (``aux_loss``,
+        ``z_loss``, ``dropped``, ``assigned`` [L]; ``load`` [L, E]), or None for a dense model."""
+        x, stats = self.run_layers_with_stats(self.embed_tokens(tokens), positions, segment_ids)
+        return self.logits(x), stats
+
     def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
         """The stacked decoder blocks (however many ``self.layers`` holds), scanned (``scan_unroll`` blocks per
         iteration), with the remat policy."""
+        return self.run_layers_with_stats(x, positions, segment_ids)[0]
+
+    def run_layers_with_stats(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]):
+        """:meth:`run_layers` and the MoE layers' router stats (None for a dense model)."""
         rope = self._rope(positions)
-        graphdef, state = nnx.split(self.layers)
+        stats = None
+        for key, _, _ in layer_stacks(self.cfg):
+            graphdef, state = nnx.split(getattr(self, key))
 
-        def block(carry, layer_state):
-            layer = nnx.merge(graphdef, layer_state)
-            return layer(carry, rope, segment_ids), None
+            def block(carry, layer_state):
+                out = nnx.merge(graphdef, layer_state)(carry, rope, segment_ids)
+                return out if isinstance(out, tuple) else (out, None)
 
-        if self.cfg.remat != "none":
-            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(block, x, state, unroll=self.cfg.scan_unroll)
-        return x
+            if self.cfg.remat != "none":
+                block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            x, out = jax.lax.scan(block, x, state, unroll=self.cfg.scan_unroll)
+            stats = out if out is not None else stats  # only the 'layers' stack of an MoE model has MoE layers
+        return x, stats
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, index, start: jax.Array
                        ) -> tuple[jax.Array, KVCache]:
@@ -131,14 +208,23 @@ class Llama(nnx.Module):
         x = self.embed_tokens(tokens)
         rope = self._rope(positions)
         mask = cache_mask(start.astype(jnp.int32), index, tokens.shape[1], cache.k.shape[2])
-        graphdef, state = nnx.split(self.layers)
+        ks, vs, first = [], [], 0
+        for key, units, per_unit in layer_stacks(self.cfg):
+            graphdef, state = nnx.split(getattr(self, key))
+            # this stack's layers of the [num_layers, ...] cache, one [per_unit, ...] slice per scanned unit
+            take = lambda c: c[first:first + units * per_unit].reshape(
+                (units,) + ((per_unit,) if per_unit > 1 else ()) + c.shape[1:])
 
-        def block(x, xs):
-            layer_state, k, v = xs
-            x, kv = nnx.merge(graphdef, layer_state)(x, rope, None, LayerCache(k, v, index, mask))
-            return x, kv
+            def block(x, xs, graphdef=graphdef):
+                layer_state, k, v = xs
+                x, kv = nnx.merge(graphdef, layer_state)(x, rope, None, LayerCache(k, v, index, mask))
+                return x, kv
 
-        x, (k, v) = jax.lax.scan(block, x, (state, cache.k, cache.v))
+            x, (k, v) = jax.lax.scan(block, x, (state, take(cache.k), take(cache.v)))
+            ks.append(k.reshape((units * per_unit,) + k.shape[1 + (per_unit > 1):]))
+            vs.append(v.reshape((units * per_unit,) + v.shape[1 + (per_unit > 1):]))
+            first += units * per_unit
+        k, v = (ks[0], vs[0]) if len(ks) == 1 else (jnp.concatenate(ks), jnp.concatenate(vs))
         return self.logits(x), KVCache(k, v)
 
     def logits(self, x: jax.Array) -> jax.Array:

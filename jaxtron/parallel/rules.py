@@ -6,7 +6,8 @@ which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) paralle
 * params: ``layers`` (the stacked decoder blocks' leading axis) over ``stage`` (pipeline parallelism),
   ``embed`` over ``fsdp`` and ``context`` (ZeRO-3: every weight is split on its hidden dim, gathered per layer),
   ``heads``/``kv_heads``/``mlp`` over ``tensor`` (column-parallel QKV/gate/up, row-parallel out/down),
-  ``vocab`` over ``tensor`` (vocab-parallel embedding and logits).
+  ``vocab`` over ``tensor`` (vocab-parallel embedding and logits); MoE expert weights are named
+  (``expert``, ``embed``, ``mlp``) and so split like the dense MLP, their ``expert`` axis replicated.
 * activations: the batch over ``data`` and ``fsdp``; heads, MLP and vocab over ``tensor``;
   with sequence parallelism the sequence axis of the residual stream (``act_res_seq``) over ``tensor``;
   the sequence axis (``act_seq``, ``act_res_seq``) over ``context`` (context parallelism; inside attention
@@ -30,6 +31,8 @@ _PARAM_RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("expert", None),     # MoE expert stacks (router columns, expert weights, aux-free bias); expert
+                          # parallelism will map it onto its own mesh axis
     ("head_dim", None),
     ("norm", None),
     ("layers", "stage"),  # stacked decoder layers: contiguous chunks per pipeline stage

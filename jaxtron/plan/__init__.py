@@ -155,6 +155,8 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         backend = "gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"
     if cfg.parallel.stage != 1:
         raise config_lib.ConfigError("parallel.stage", PIPELINE_NOTE)
+    if cfg.model.moe.num_experts:  # its closed forms count a dense SwiGLU per layer
+        raise config_lib.ConfigError("model.moe.num_experts", "the planner does not model MoE layers yet")
     ccfg, cfg_notes = prepare_config(cfg, backend)
     notes += cfg_notes
     t0 = time.perf_counter()

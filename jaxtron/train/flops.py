@@ -8,7 +8,14 @@ Per token, forward, counting a multiply-add as 2 FLOPs (matmuls only, as Megatro
     SwiGLU MLP        2 * 3 * d * ffn
     logits            2 * d * vocab
 
-per layer except the logits, and training = 3 x forward. Two conventions for causal attention:
+per layer except the logits, and training = 3 x forward. Mixture-of-Experts layers (``model.moe``) count
+the parameters a token is multiplied by, not all of them (Megatron's MoE formula, plus the router):
+
+    router            2 * d * E
+    routed experts    2 * 3 * d * expert_ffn * k      (top-k experts per token)
+    shared experts    2 * 3 * d * shared_ffn * n_shared  (+ 2 * d for Qwen's shared-expert gate)
+
+in place of the SwiGLU term; dense layers (first_dense_layers, the dense layers of a layer_freq group) keep it. Two conventions for causal attention:
 ``full`` counts the s^2 term whole (Megatron's published tables, NeMo's 62.5% MFU figure) and ``causal``
 halves it (Megatron's code today). jaxtron reports MFU under both.
 """
@@ -36,8 +43,23 @@ def flops_per_token(m: ModelConfig, seq_len: int, causal_convention: str = "full
     d, h, kv, hd, f, v = (m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size,
                           m.vocab_size)
     attn_scores = 2 * 2 * seq_len * h * hd * (0.5 if causal_convention == "causal" else 1.0)
-    per_layer = 2 * d * (h + 2 * kv) * hd + attn_scores + 2 * h * hd * d + 2 * 3 * d * f
-    return 3.0 * (m.num_layers * per_layer + 2 * d * v)
+    attn = 2 * d * (h + 2 * kv) * hd + attn_scores + 2 * h * hd * d
+    num_moe = moe_layer_count(m)
+    dense_ffn = (m.num_layers - num_moe) * 2 * 3 * d * f
+    return 3.0 * (m.num_layers * attn + dense_ffn + num_moe * moe_ffn_flops(m) + 2 * d * v)
+
+
+def moe_layer_count(m: ModelConfig) -> int:
+    e = m.moe
+    return (m.num_layers - e.first_dense_layers) // e.layer_freq if e.num_experts else 0
+
+
+def moe_ffn_flops(m: ModelConfig) -> float:
+    """Forward FLOPs per token of one MoE layer's feed-forward block (active experts only)."""
+    e, d = m.moe, m.hidden_size
+    shared_ffn = e.num_shared_experts * (e.shared_expert_intermediate_size or e.expert_intermediate_size)
+    return (2 * d * e.num_experts + 2 * 3 * d * e.expert_intermediate_size * e.num_experts_per_token
+            + 2 * 3 * d * shared_ffn + (2 * d if e.shared_expert_gate and e.num_shared_experts else 0))
 
 
 def device_peak_tflops(device_kind: str) -> float | None:

@@ -78,6 +78,9 @@ def log_line(step: int, total: int, r: dict) -> str:
     if r.get("mfu") is not None:
         causal = f" ({r['mfu_causal']:.1%} causal)" if r.get("mfu_causal") is not None else ""
         parts.append(f"MFU {r['mfu']:.1%} full attention{causal}")
+    if r.get("moe_aux_loss") is not None:  # MoE models: router losses, worst layer's load, dropped assignments
+        parts.append(f"moe aux {r['moe_aux_loss']:.4f} z {r['moe_z_loss']:.3g} load max/mean "
+                     f"{r['moe_load_max_over_mean']:.2f} dropped {r['moe_dropped']:.2%}")
     if r.get("memory_gib") is not None:
         parts.append(f"memory {r['memory_gib']:.2f} GiB (peak {r['memory_peak_gib']:.2f})")
     if "skipped_steps" in r:

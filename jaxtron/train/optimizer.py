@@ -8,7 +8,9 @@ import optax
 
 from jaxtron.config import OptimConfig
 
-NO_DECAY_NAMES = ("scale", "bq", "bk", "bv")  # RMSNorm scales and QKV biases
+# RMSNorm scales, QKV biases, and MoE's aux-free expert bias (moved by the train step, not by the optimizer:
+# its gradient is zero, so without decay AdamW leaves it exactly as it is)
+NO_DECAY_NAMES = ("scale", "bq", "bk", "bv", "expert_bias")
 
 
 def learning_rate_schedule(o: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxtron.config import Config
+from jaxtron.model import routing
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.stages import BATCH_AXES, pipelined_loss, pipelined_value_and_grad, split_micro
 from jaxtron.train.loss import cross_entropy_sums
@@ -42,13 +43,25 @@ def _logits_sums(logits, batch, z_loss: float):
 
 def _sums(graphdef, params, batch, z_loss: float, packed: bool = True):
     model = nnx.merge(graphdef, params)
-    return _logits_sums(model(batch["inputs"], batch["positions"], _segments(batch, packed)), batch, z_loss)
+    if not model.cfg.moe.num_experts:
+        return _logits_sums(model(batch["inputs"], batch["positions"], _segments(batch, packed)), batch, z_loss)
+    logits, stats = model.forward_with_stats(batch["inputs"], batch["positions"], _segments(batch, packed))
+    objective, (ce, n, _) = _logits_sums(logits, batch, z_loss)
+    # The MoE losses are means over the micro batch's tokens; weighted by its token count here, they add
+    # coef * loss to the per-token objective the step divides by the total count (micro batches by share).
+    moe = model.cfg.moe
+    aux_loss, router_z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
+    objective = objective + n * (moe.aux_loss_coef * aux_loss + moe.z_loss_coef * router_z)
+    aux = {"moe_aux_loss": aux_loss * n, "moe_z_loss": router_z * n, "moe_load": stats["load"],
+           "moe_dropped": jnp.sum(stats["dropped"]), "moe_assigned": jnp.sum(stats["assigned"])}
+    return objective, (ce, n, jax.tree.map(jax.lax.stop_gradient, aux))
 
 
 # names a custom loss's aux entries may not take: the step's metrics and the loop's metrics.jsonl record
 RESERVED_METRICS = ("step", "loss", "grad_norm", "lr", "tokens", "skipped", "skipped_steps", "eval_loss",
                     "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
-                    "tflops_per_device_causal", "mfu", "mfu_causal")
+                    "tflops_per_device_causal", "mfu", "mfu_causal", "moe_load", "moe_dropped", "moe_assigned",
+                    "moe_load_max_over_mean")
 
 
 def _custom_sums(loss_fn: Callable, graphdef, params, batch):
@@ -113,7 +126,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
                              params, spec.param_shardings)
         micro = split_micro(batch, accum)
-        aux0 = jax.tree.map(lambda _: _f32zero(),  # the aux sums' names, from the loss's trace
+        aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),  # the aux sums, from the loss's trace
                             jax.eval_shape(sums, params, jax.tree.map(lambda x: x[0], micro))[1][2])
         (grads, ce, n, aux), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero(), aux0), micro)
         return (ce, n, aux), grads
@@ -140,10 +153,13 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             # (the step counter, i.e. the data position, still advances).
             ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm)
             keep = lambda new, old: jnp.where(ok, new, old)
+            aux, moe_load = routing.step_metrics(aux, n)
+            if moe_load is not None and cfg.model.moe.aux_free_bias:  # DeepSeek-V3: no gradient, from the load
+                new_params = routing.update_expert_bias(new_params, moe_load, cfg.model.moe.bias_update_rate)
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
             metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n,
-                       "skipped": jnp.logical_not(ok), **{k: v / n for k, v in aux.items()}}
+                       "skipped": jnp.logical_not(ok), **aux}
             return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(layout)),

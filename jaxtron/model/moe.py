@@ -1,0 +1,127 @@
+"""The Mixture-of-Experts feed-forward block: router (jaxtron.model.routing), routed SwiGLU experts with
+dropless or capacity dispatch, optional shared experts (with Qwen's sigmoid gate).
+
+    y, stats = MoE(cfg, rngs=rngs)(x)     # x: [batch, seq, hidden]
+
+Expert weights are stacked on a leading ``expert`` axis: ``w_gate``/``w_up`` [E, hidden, ffn] named
+("expert", "embed", "mlp"), ``w_down`` [E, ffn, hidden] named ("expert", "mlp", "embed"), so FSDP and tensor
+parallelism split them as they split the dense MLP; the ``expert`` axis is not split yet (expert parallelism is
+the next issue).
+
+Dispatch (``model.moe.dispatch``):
+
+- ``dropless``: the T*k (token, expert) assignments are sorted by expert, the tokens gathered in that order and
+  run through grouped matmuls (``jax.lax.ragged_dot``: group e is the next ``load[e]`` rows, multiplied by
+  expert e's weights), then unsorted and combined with the routing weights. No token is dropped. (XLA:CPU and,
+  without the ragged-dot fusion flag, XLA:GPU lower ragged_dot to a masked dense matmul: exact, E times the
+  FLOPs; a grouped-GEMM kernel is the fast path, not built here.)
+- ``capacity``: each expert takes at most C = ceil(capacity_factor * T * k / E) assignments, first choices
+  before second choices (Switch/GShard priority: all tokens' top-1, then top-2, ... each in token order);
+  the rest are dropped, i.e. contribute nothing, so the residual stream carries the token past the layer. The
+  kept tokens are scattered into an [E, C, hidden] buffer and every expert runs a dense einsum over its C
+  slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config import ModelConfig
+from jaxtron.model import routing
+from jaxtron.model.layers import SwiGLU, param
+from jaxtron.model.projection import project
+
+
+def _swiglu_experts(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
+    return jax.nn.silu(h_gate) * h_up
+
+
+def dropless(x, r: routing.Routing, w_gate, w_up, w_down):
+    """x: [T, D]; experts/weights: [T, k]; weights [E, D, F], [E, F, D] -> [T, D]."""
+    t, k = r.experts.shape
+    num_experts = w_gate.shape[0]
+    flat = r.experts.reshape(-1)                                   # assignment a = token a // k, choice a % k
+    order = jnp.argsort(flat, stable=True)                         # assignments grouped by expert
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = jnp.take(x, order // k, axis=0)                           # [T*k, D] in expert order
+    dot = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32).astype(a.dtype)
+    ys = dot(_swiglu_experts(dot(xs, w_gate), dot(xs, w_up)), w_down)
+    y = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # back to token order
+    combined = jnp.sum(y.astype(jnp.float32) * r.weights[..., None], axis=1)
+    return combined.astype(x.dtype), jnp.zeros((), jnp.float32)
+
+
+def capacity(num_tokens: int, k: int, num_experts: int, factor: float) -> int:
+    return max(1, math.ceil(factor * num_tokens * k / num_experts))
+
+
+def capacity_dispatch(x, r: routing.Routing, w_gate, w_up, w_down, factor: float):
+    """Capacity-limited dispatch; returns ([T, D], number of dropped assignments)."""
+    t, k = r.experts.shape
+    num_experts = w_gate.shape[0]
+    c = capacity(t, k, num_experts, factor)
+    experts = r.experts.T.reshape(-1)                              # choice-major: all top-1 choices first
+    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [k*T, E]
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # place in its expert's queue
+    kept = position < c
+    slot = jnp.where(kept, experts * c + position, num_experts * c)  # E*C: out of range, i.e. dropped
+    token = jnp.tile(jnp.arange(t), k)
+    buf = jnp.zeros((num_experts * c, x.shape[-1]), x.dtype).at[slot].set(jnp.take(x, token, axis=0), mode="drop")
+    buf = buf.reshape(num_experts, c, -1)
+    ein = lambda s, a, w: jnp.einsum(s, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+    h = _swiglu_experts(ein("ecd,edf->ecf", buf, w_gate), ein("ecd,edf->ecf", buf, w_up))
+    out = ein("ecf,efd->ecd", h, w_down).reshape(num_experts * c, -1)
+    y = out.at[slot].get(mode="fill", fill_value=0)                 # dropped assignments read zeros
+    combined = jnp.sum((y.astype(jnp.float32) * r.weights.T.reshape(-1)[:, None]).reshape(k, t, -1), axis=0)
+    return combined.astype(x.dtype), jnp.sum(~kept).astype(jnp.float32)
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts (+ shared experts). ``__call__(x [B, S, D]) -> (y [B, S, D], stats)`` where stats
+    holds this layer's ``aux_loss`` and ``z_loss`` (scalars), ``load`` ([E] assignments per expert) and
+    ``dropped``/``assigned`` (assignment counts)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e = cfg.moe
+        d, f, n = cfg.hidden_size, e.expert_intermediate_size, e.num_experts
+        pd = jnp.dtype(cfg.param_dtype)
+        std, out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
+        self.moe = e
+        self.router = param(rngs, (d, n), ("embed", "expert"), std, pd)
+        self.w_gate = param(rngs, (n, d, f), ("expert", "embed", "mlp"), std, pd)
+        self.w_up = param(rngs, (n, d, f), ("expert", "embed", "mlp"), std, pd)
+        self.w_down = param(rngs, (n, f, d), ("expert", "mlp", "embed"), out_std, pd)
+        if e.aux_free_bias:
+            self.expert_bias = routing.ExpertBias(jnp.zeros((n,), jnp.float32), out_sharding=("expert",))
+        if e.num_shared_experts:
+            size = e.num_shared_experts * (e.shared_expert_intermediate_size or f)
+            self.shared = SwiGLU(dataclasses.replace(cfg, intermediate_size=size), rngs=rngs)
+            if e.shared_expert_gate:
+                self.shared_gate = param(rngs, (d, 1), ("embed", None), std, pd)
+
+    def __call__(self, x: jax.Array):
+        b, s, d = x.shape
+        dt = x.dtype
+        tokens = x.reshape(b * s, d)
+        bias = self.expert_bias[...] if self.moe.aux_free_bias else None
+        r = routing.route(tokens, self.router[...], self.moe, bias)
+        w = [p[...].astype(dt) for p in (self.w_gate, self.w_up, self.w_down)]
+        if self.moe.dispatch == "capacity":
+            y, dropped = capacity_dispatch(tokens, r, *w, self.moe.capacity_factor)
+        else:
+            y, dropped = dropless(tokens, r, *w)
+        y = y.reshape(b, s, d)
+        if self.moe.num_shared_experts:
+            shared = self.shared(x)
+            if self.moe.shared_expert_gate:
+                shared = shared * jax.nn.sigmoid(project("bsd,do->bso", x, self.shared_gate[...].astype(dt)))
+            y = y + shared
+        load = routing.expert_load(r.experts, self.moe.num_experts)
+        stats = {"aux_loss": routing.load_balancing_loss(r, load), "z_loss": routing.router_z_loss(r),
+                 "load": load, "dropped": dropped, "assigned": jnp.asarray(r.experts.size, jnp.float32)}
+        return y, stats

@@ -1,0 +1,349 @@
+"""Mixture-of-Experts (issue 24): config validation, routing against a numpy reference, dispatch, the
+aux-loss-free bias, and parallel equality. Small shapes: the file runs in well under a minute on 2 cores."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import NONZERO_LR, synthetic_batch, tiny_config
+from jaxtron import config as config_lib
+from jaxtron.config.schema import MoEConfig
+from jaxtron.model import routing
+from jaxtron.model.moe import MoE, capacity
+from jaxtron.train.__main__ import main
+
+MOE = ["model.moe.num_experts=4", "model.moe.num_experts_per_token=2", "model.moe.expert_intermediate_size=32"]
+
+BAD_MOE = [
+    (["model.moe.num_experts_per_token=5"], "model.moe.num_experts_per_token"),
+    (["model.moe.dispatch=sparse"], "model.moe.dispatch"),
+    (["model.moe.score_func=relu"], "model.moe.score_func"),
+    (["model.moe.n_group=3"], "model.moe.n_group"),                         # 3 groups do not divide 4 experts
+    (["model.moe.n_group=4"], "model.moe.n_group"),                         # one expert per group
+    (["model.moe.n_group=2", "model.moe.topk_group=3"], "model.moe.topk_group"),
+    (["model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.num_experts_per_token=3"],
+     "model.moe.num_experts_per_token"),
+    (["model.moe.layer_freq=3"], "model.moe.layer_freq"),                   # 4 layers
+    (["model.moe.first_dense_layers=4"], "model.moe.first_dense_layers"),
+    (["model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
+    (["model.moe.aux_loss_coef=-1"], "model.moe.aux_loss_coef"),
+    (["model.moe.shared_expert_gate=true"], "model.moe.shared_expert_gate"),  # no shared experts
+    (["model.moe.num_experts=-1"], "model.moe.num_experts"),
+    (["parallel.stage=2"], "parallel.stage"),                               # MoE with pipeline: not yet
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD_MOE, ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_bad_moe_configs_give_one_line_naming_the_field(overrides, field, capsys):
+    assert main(MOE + overrides) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {field}"), err
+
+
+def test_good_moe_configs_validate():
+    cfg = config_lib.load(None, MOE + ["model.moe.first_dense_layers=2", "model.moe.layer_freq=2",
+                                       "model.moe.n_group=2", "model.moe.topk_group=1",
+                                       "model.moe.score_func=sigmoid", "model.moe.aux_free_bias=true"])
+    assert cfg.model.moe.num_experts == 4 and cfg.model.moe.layer_freq == 2
+    assert config_lib.load().model.moe.num_experts == 0  # dense by default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing and dispatch against direct numpy references
+# ---------------------------------------------------------------------------------------------------------------
+
+def _np_route(x, w, m: MoEConfig, bias=None):
+    """Top-k routing written out token by token in float64."""
+    logits = x.astype(np.float64) @ w.astype(np.float64)
+    if m.score_func == "softmax":
+        scores = np.exp(logits - logits.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+    experts, weights = [], []
+    e = logits.shape[1]
+    per = e // m.n_group
+    for t in range(len(x)):
+        sel = scores[t] + (0 if bias is None else bias)
+        if m.n_group > 1:
+            gscore = [np.sort(sel[g * per:(g + 1) * per])[-2:].sum() for g in range(m.n_group)]
+            groups = np.argsort(gscore)[::-1][:m.topk_group]
+            sel = np.where(np.isin(np.arange(e) // per, groups), sel, -np.inf)
+        top = np.argsort(sel)[::-1][:m.num_experts_per_token]
+        wt = scores[t, top]
+        if m.norm_topk_prob:
+            wt = wt / wt.sum()
+        experts.append(top)
+        weights.append(wt * m.routed_scaling_factor)
+    return np.array(experts), np.array(weights)
+
+
+ROUTINGS = {
+    "softmax-renorm": dict(score_func="softmax", norm_topk_prob=True),
+    "softmax-raw": dict(score_func="softmax", norm_topk_prob=False),
+    "sigmoid-grouped-bias": dict(score_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5),
+}
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_routing_matches_numpy(name):
+    m = MoEConfig(num_experts=8, num_experts_per_token=3, **ROUTINGS[name])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    w = rng.normal(size=(16, 8)).astype(np.float32)
+    bias = rng.normal(scale=0.3, size=8).astype(np.float32) if m.score_func == "sigmoid" else None
+    r = routing.route(jnp.asarray(x), jnp.asarray(w), m, None if bias is None else jnp.asarray(bias))
+    experts, weights = _np_route(x, w, m, bias)
+    np.testing.assert_array_equal(np.asarray(r.experts), experts)
+    np.testing.assert_allclose(np.asarray(r.weights), weights, rtol=1e-5)
+    if name == "softmax-renorm":  # Mixtral: renormalized top-k of the softmax = softmax of the top-k logits
+        np.testing.assert_allclose(np.asarray(r.weights).sum(-1), 1.0, rtol=1e-6)
+
+
+def _moe_cfg(*overrides):
+    cfg = tiny_config("model.moe.num_experts=4", "model.moe.num_experts_per_token=2",
+                      "model.moe.expert_intermediate_size=32", *overrides)
+    return cfg.model
+
+
+def _np_moe(layer: MoE, x, drop=None):
+    """The MoE output token by token: sum over chosen (and not dropped) experts of weight * SwiGLU_e(x)."""
+    p = {k: np.asarray(getattr(layer, k)[...], np.float64) for k in ("router", "w_gate", "w_up", "w_down")}
+    tokens = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    experts, weights = _np_route(tokens, p["router"], layer.moe)
+    out = np.zeros_like(tokens)
+    silu = lambda v: v / (1 + np.exp(-v))
+    for t in range(len(tokens)):
+        for j, (e, wt) in enumerate(zip(experts[t], weights[t])):
+            if drop is not None and drop[t, j]:
+                continue
+            h = silu(tokens[t] @ p["w_gate"][e]) * (tokens[t] @ p["w_up"][e])
+            out[t] += wt * (h @ p["w_down"][e])
+    return out.reshape(x.shape), experts
+
+
+def _layer(cfg) -> MoE:
+    with nnx.use_eager_sharding(False):  # a lone layer on the default device, as Llama creates its layers
+        return MoE(cfg, rngs=nnx.Rngs(0))
+
+
+def _x(shape=(4, 16, 64), seed=1):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
+
+
+def test_dropless_matches_token_by_token_reference():
+    layer = _layer(_moe_cfg())
+    x = _x()
+    y, stats = layer(x)
+    ref, experts = _np_moe(layer, np.asarray(x))
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(stats["load"]), np.bincount(experts.ravel(), minlength=4))
+    assert float(stats["dropped"]) == 0.0
+
+
+def test_capacity_with_room_for_all_equals_dropless():
+    cfg = _moe_cfg("model.moe.dispatch=capacity", "model.moe.capacity_factor=4.0")  # C = T*k: nothing drops
+    dropless = _layer(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless")))
+    cap = _layer(cfg)
+    x = _x()
+    (y1, s1), (y2, s2) = dropless(x), cap(x)
+    assert float(s2["dropped"]) == 0.0
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), rtol=1e-5, atol=1e-7)
+
+
+def test_capacity_drops_exactly_the_assignments_over_capacity():
+    factor = 0.5
+    layer = _layer(_moe_cfg("model.moe.dispatch=capacity", f"model.moe.capacity_factor={factor}"))
+    x = _x()
+    y, stats = layer(x)
+    tokens = np.asarray(x).reshape(-1, 64)
+    experts, _ = _np_route(tokens, np.asarray(layer.router[...]), layer.moe)
+    t, k = experts.shape
+    c = capacity(t, k, 4, factor)
+    # direct count, first choices before second choices, each in token order
+    drop, seen = np.zeros((t, k), bool), np.zeros(4, int)
+    for j in range(k):
+        for tok in range(t):
+            e = experts[tok, j]
+            drop[tok, j] = seen[e] >= c
+            seen[e] += 1
+    assert drop.sum() > 0
+    assert float(stats["dropped"]) / float(stats["assigned"]) == pytest.approx(drop.sum() / drop.size)
+    ref, _ = _np_moe(layer, np.asarray(x), drop)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_aux_losses_match_their_formulas():
+    layer = _layer(_moe_cfg())
+    x = _x()
+    _, stats = layer(x)
+    tokens = np.asarray(x, np.float64).reshape(-1, 64)
+    logits = tokens @ np.asarray(layer.router[...], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts, _ = _np_route(tokens, np.asarray(layer.router[...]), layer.moe)
+    f = np.bincount(experts.ravel(), minlength=4) / experts.size
+    assert float(stats["aux_loss"]) == pytest.approx(4 * np.sum(f * probs.mean(0)), rel=1e-5)
+    lse = np.log(np.exp(logits).sum(-1))
+    assert float(stats["z_loss"]) == pytest.approx(np.mean(lse ** 2), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The aux-loss-free bias
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_aux_free_bias_moves_toward_balance():
+    m = MoEConfig(num_experts=8, num_experts_per_token=2, score_func="sigmoid", aux_free_bias=True)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 16)).astype(np.float32)
+    x[:, 0] = 1.0
+    w = rng.normal(scale=0.1, size=(16, 8)).astype(np.float32)
+    w[0, :2] = 1.0  # skewed: a constant feature makes experts 0 and 1 everyone's first choices
+    x = jnp.asarray(x)
+    params = {"layers": {"mlp": {routing.BIAS_NAME: jnp.zeros((1, 8), jnp.float32)}}}
+    imbalance = []
+    for _ in range(50):
+        bias = params["layers"]["mlp"][routing.BIAS_NAME][0]
+        load = routing.expert_load(routing.route(x, jnp.asarray(w), m, bias).experts, 8)
+        imbalance.append(float(jnp.max(load) / jnp.mean(load)))
+        params = routing.update_expert_bias(params, load[None], 0.01)
+    assert imbalance[0] > 3.5, imbalance[0]  # 4.0 when every token picks experts 0 and 1
+    assert max(imbalance[-5:]) < 0.6 * imbalance[0], imbalance
+
+
+@pytest.mark.slow
+def test_aux_free_bias_is_updated_by_the_train_step_and_checkpointed(tmp_path):
+    from jaxtron.checkpoint import Checkpointer
+    from jaxtron.train.loop import Trainer, put_batch
+
+    cfg = tiny_config(*MOE, "model.moe.score_func=sigmoid", "model.moe.aux_free_bias=true",
+                      "model.moe.bias_update_rate=0.01", "model.moe.first_dense_layers=1", *NONZERO_LR)
+    run = Trainer(cfg, jax.devices()[:1])
+    get_bias = lambda state: np.asarray(state["params"]["layers"]["mlp"][routing.BIAS_NAME])  # noqa: E731
+    assert not get_bias(run.state).any()
+    for seed in range(2):
+        run.state, metrics = run.train_step(run.state, put_batch(synthetic_batch(cfg, seed), run.batch_sharding))
+    bias = get_bias(run.state)
+    assert bias.shape == (1, 4) and np.abs(bias).max() > 0  # sign updates of 0.01 per step
+    assert metrics["moe_load_max_over_mean"] >= 1.0 and float(metrics["moe_dropped"]) == 0.0
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(2, run.state, {})
+    ckpt.wait()
+    restored, _ = ckpt.restore(2, run.spec.abstract_state)
+    ckpt.close()
+    np.testing.assert_array_equal(get_bias(restored), bias)  # bit for bit
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 restored["params"], jax.device_get(run.state["params"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parallel layouts equal one device
+# ---------------------------------------------------------------------------------------------------------------
+
+PARALLEL_MOE = (*MOE, "model.moe.first_dense_layers=1", "model.moe.num_shared_experts=1",
+                "model.moe.shared_expert_gate=true", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01",
+                *NONZERO_LR)
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean")
+
+
+def _moe_record(cfg, devices):
+    """helpers.training_record (gradients at init, 3 steps) plus the MoE metrics of each step."""
+    from jaxtron.train.loop import Trainer, put_batch
+
+    trainer = Trainer(cfg, devices)
+    batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
+    grads, metrics = trainer.gradients(batch)
+    record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
+              "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": [], "moe": []}
+    for _ in range(3):
+        m = trainer.step(batch)
+        record["losses"].append(float(m["loss"]))
+        record["grad_norms"].append(float(m["grad_norm"]))
+        record["moe"].append([float(m[k]) for k in MOE_METRICS])
+    return record
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _moe_record(tiny_config(*PARALLEL_MOE, "parallel.data=1"), jax.devices()[:1])
+
+
+@pytest.mark.slow
+def test_dropless_moe_on_data2_fsdp2_tensor2_equals_one_device(one_device):
+    """Losses over 3 steps with a non-zero learning rate, every gradient leaf (router, experts, shared expert
+    and its gate, the dense first layer) and the router losses and loads: relative 1e-5 in fp32. The aux and z
+    losses carry non-zero coefficients, so their gradients are part of the comparison."""
+    from helpers import assert_same_training
+
+    one = one_device
+    eight = _moe_record(tiny_config(*PARALLEL_MOE, "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"),
+                        jax.devices())
+    assert_same_training(eight, one)
+    np.testing.assert_allclose(eight["moe"], one["moe"], rtol=1e-5)
+    assert set(one["grads"]["layers"]["mlp"]) >= {"router", "w_gate", "w_up", "w_down", "shared", "shared_gate"}
+    assert "dense_layers" in one["grads"]
+
+
+def test_cached_decoding_of_grouped_moe_layers_equals_the_full_forward():
+    """first_dense_layers=1 and layer_freq=3 (a dense stack, then a scanned group of 2 dense + 1 MoE): the
+    KV-cache path hands each stack its slice of the cache and gives the logits of the plain forward."""
+    from jaxtron.model import Llama
+    from jaxtron.model.cache import init_cache
+    from jaxtron.model.llama import layer_stacks
+
+    cfg = tiny_config(*MOE, "model.num_layers=4", "model.moe.first_dense_layers=1", "model.moe.layer_freq=3").model
+    assert layer_stacks(cfg) == [("dense_layers", 1, 1), ("layers", 1, 3)]
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    graphdef, state = nnx.split(model)
+    full = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p))(state, tokens, positions)
+    cached = jax.jit(lambda st, *a: nnx.merge(graphdef, st).forward_cached(*a))  # jitted: eager is far slower
+    start = jnp.zeros((2,), jnp.int32)
+    first, cache = cached(state, tokens[:, :5], positions[:, :5], init_cache(cfg, 2, 8), 0, start)
+    rest, cache = cached(state, tokens[:, 5:], positions[:, 5:], cache, 5, start)
+    np.testing.assert_allclose(np.concatenate([first, rest], axis=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.k.shape[0] == 4
+
+
+@pytest.mark.parametrize("preset", ["mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3_small"])
+def test_flops_count_active_experts_as_megatron(preset):
+    """Megatron's num_floating_point_operations with MoE (routed top-k + shared experts, dense layers at their
+    own width) plus the router's 2 * hidden * E per MoE layer, which jaxtron counts and Megatron does not."""
+    from jaxtron.train.flops import flops_per_token, moe_layer_count
+
+    m = config_lib.load(preset).model
+    e, h, L, s = m.moe, m.hidden_size, m.num_layers, 4096
+    n_moe = moe_layer_count(m)
+    hd = config_lib.head_dim(m)
+    attn = (1 + m.num_kv_heads / m.num_heads + s / h) * hd * m.num_heads / h
+    shared = e.num_shared_experts * (e.shared_expert_intermediate_size or e.expert_intermediate_size)
+    mlp = ((L - n_moe) * m.intermediate_size + n_moe * (e.expert_intermediate_size * e.num_experts_per_token
+                                                         + shared)) * 1.5 / (L * h)
+    megatron = 12 * L * h * h * (attn + mlp + m.vocab_size / (2 * L * h))
+    router = 3 * 2 * h * e.num_experts * n_moe
+    assert flops_per_token(m, s) == pytest.approx(megatron + router, rel=1e-12)
+    assert router < 0.005 * megatron
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_sums_the_expert_load_of_every_micro_batch(one_device):
+    """4 micro batches of 2 on one device against the batch of 8 (one_device's first step): the same loss and
+    z-loss (per-token means) and the same max/mean expert load, which is only so if the step sums the loads of
+    all micro batches. (The load-balancing loss is computed per micro batch, as Megatron does, so it differs.)"""
+    from jaxtron.train.loop import Trainer, put_batch
+
+    cfg = tiny_config(*PARALLEL_MOE, "parallel.data=1", "train.micro_batch_size=2")
+    run = Trainer(cfg, jax.devices()[:1])
+    m = run.step(put_batch(synthetic_batch(cfg, 0), run.batch_sharding))
+    whole = dict(zip(MOE_METRICS, one_device["moe"][0]))
+    assert float(m["loss"]) == pytest.approx(one_device["losses"][0], rel=1e-5)
+    assert float(m["moe_z_loss"]) == pytest.approx(whole["moe_z_loss"], rel=1e-5)
+    assert float(m["moe_load_max_over_mean"]) == pytest.approx(whole["moe_load_max_over_mean"], rel=1e-6)
