@@ -43,12 +43,13 @@ def test_layout_matches_single_device(reference, name):
 def test_params_are_created_sharded():
     trainer = Trainer(config("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), jax.devices())
     wq = trainer.state["params"]["layers"]["attention"]["wq"]      # [layers, embed, heads, head_dim]
-    assert wq.sharding.spec == P("stage", "fsdp", "tensor", None)   # stage has size 1 here
+    # stage and context have size 1 here; ZeRO-3 spans fsdp x context
+    assert wq.sharding.spec == P("stage", ("fsdp", "context"), "tensor", None)
     assert wq.addressable_shards[0].data.shape == (2, 32, 4, 8)
     mu = trainer.state["opt_state"][1][0].mu["layers"]["mlp"]["w_down"]  # Adam moments follow the params
-    assert mu.sharding.spec == P("stage", "tensor", "fsdp")
+    assert mu.sharding.spec == P("stage", "tensor", ("fsdp", "context"))
     embed = trainer.state["params"]["embed"]
-    assert embed.sharding.spec == P("tensor", "fsdp")
+    assert embed.sharding.spec == P("tensor", ("fsdp", "context"))
 
 
 def test_gradient_accumulation_equals_big_batch(reference):

@@ -222,6 +222,11 @@ class Layout:
         return self.sizes["fsdp"]
 
     @property
+    def context(self) -> int:
+        """The ways each sequence is split (context parallelism)."""
+        return self.sizes["context"]
+
+    @property
     def zero_shards(self) -> int:
         """The ways each weight and its optimizer state are split by ZeRO-3: fsdp x context (see rules.py)."""
         return self.sizes["fsdp"] * self.sizes["context"]

@@ -75,7 +75,7 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     t, dp, b = layout.tp, layout.dp, layout.micro_batch_size
     sp = cfg.parallel.sequence_parallel and t > 1
     st = closed_form_state_bytes(cfg, layout)
-    tokens = b * s // layout.sizes["context"]  # each context rank holds 1/context of the sequence
+    tokens = b * s // layout.context  # each context rank holds 1/context of the sequence
     saved = m.num_layers * tokens * _act_bytes_per_token_layer(m, t, sp, m.remat)
     working = tokens * _act_bytes_per_token_layer(m, t, sp, "none") * 2  # one layer's fwd + bwd live set
     logits = tokens * m.vocab_size / t * (2 + 4 + 4)
