@@ -6,8 +6,10 @@ Layer kinds. Qwen3-MoE layer ``i`` is MoE when ``i not in mlp_only_layers and (i
 == 0``; jaxtron's layer ``i >= first_dense_layers`` is MoE when ``(i - first_dense_layers + 1) % layer_freq ==
 0`` (and the layers before are dense). Import accepts any HF pattern that some (first_dense_layers,
 layer_freq) reproduces exactly (decoder_sparse_step -> layer_freq; mlp_only_layers = [0..N-1] ->
-first_dense_layers = N) and refuses the rest; export writes decoder_sparse_step = layer_freq, with the first
-dense layers (and any layer the step would make MoE among them) as mlp_only_layers.
+first_dense_layers = N; layer_freq = decoder_sparse_step where it can be, then the fewest first dense layers) and
+refuses the rest. Export writes decoder_sparse_step = layer_freq (1 when first_dense_layers is not a multiple of
+it) and as mlp_only_layers the layers that step would make MoE but jaxtron keeps dense; a round trip gives the
+same config whenever first_dense_layers is 0 or layer_freq is 1.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def _qwen3_moe_layers(hf: Mapping, num_layers: int, source: str) -> tuple[int, i
     if not want:
         raise ValueError(f"{source}: decoder_sparse_step={step} and mlp_only_layers={mlp_only} leave no MoE "
                          f"layer; load it as a dense model")
-    for first in range(num_layers):
-        for freq in [step] + list(range(1, num_layers - first + 1)):
+    for freq in [step] + list(range(1, num_layers + 1)):  # decoder_sparse_step if it can be, then the fewest
+        for first in range(num_layers):                    # first dense layers
             if (num_layers - first) % freq == 0 and moe_layers(num_layers, first, freq) == want:
                 return first, freq
     raise ValueError(f"{source}: decoder_sparse_step={step} with mlp_only_layers={mlp_only} (MoE layers {want} "
@@ -111,10 +113,11 @@ def moe_to_hf(cfg, arch: str) -> dict:
                     output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
     n = cfg.num_layers
     ours = moe_layers(n, e.first_dense_layers, e.layer_freq)
-    mlp_only = [i for i in range(n) if (i + 1) % e.layer_freq == 0 and i not in ours]
+    step = e.layer_freq if e.first_dense_layers % e.layer_freq == 0 else 1
+    mlp_only = [i for i in range(n) if (i + 1) % step == 0 and i not in ours]
     return dict(num_experts=e.num_experts, num_experts_per_tok=e.num_experts_per_token,
                 moe_intermediate_size=e.expert_intermediate_size, norm_topk_prob=e.norm_topk_prob,
-                decoder_sparse_step=e.layer_freq, mlp_only_layers=mlp_only, router_aux_loss_coef=e.aux_loss_coef,
+                decoder_sparse_step=step, mlp_only_layers=mlp_only, router_aux_loss_coef=e.aux_loss_coef,
                 output_router_logits=False, attention_bias=False, use_sliding_window=False, sliding_window=None)
 
 
