@@ -87,9 +87,9 @@ def _assert_close(actual, expected) -> None:
 def _jaxtron_model(seed: int = 1, **overrides) -> Llama:
     """A random fp32 jaxtron model with O(1) weights (see module docstring), built like ``hf.load`` builds
     one: abstract model + real arrays (numpy randoms are much faster than eager jax.random on CPU)."""
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
-                      num_kv_heads=2, intermediate_size=FFN, dtype="float32", param_dtype="float32",
-                      remat="none", **overrides)
+    cfg = ModelConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
+                                num_kv_heads=2, intermediate_size=FFN, dtype="float32", param_dtype="float32",
+                                remat="none"), **overrides})
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(seed)
 

@@ -180,7 +180,7 @@ def _qwen3_config(**change) -> dict:
     ({"attention_bias": True}, r"attention_bias=true is not supported for Qwen3ForCausalLM"),
     ({"use_sliding_window": True, "sliding_window": 8}, r"use_sliding_window=true is not supported"),
     ({"model_type": "qwen2"}, r"model_type='qwen2' does not match architectures=\['Qwen3ForCausalLM'\]"),
-    ({"architectures": ["Qwen3MoeForCausalLM"]}, r"architectures=\['Qwen3MoeForCausalLM'\] is not supported"),
+    ({"architectures": ["Qwen2MoeForCausalLM"]}, r"architectures=\['Qwen2MoeForCausalLM'\] is not supported"),
 ])
 def test_unsupported_qwen3_config_is_refused_in_one_line(change, pattern):
     with pytest.raises(ValueError, match=r"^cfg\.json: " + pattern) as err:

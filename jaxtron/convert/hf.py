@@ -1,5 +1,5 @@
-"""Hugging Face <-> jaxtron: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``
-folders (config.json + safetensors).
+"""Hugging Face <-> jaxtron: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` folders (config.json + safetensors).
 
     cfg, model = jaxtron.convert.hf.load("path/to/Llama-3.1-8B", dtype="float32")
     jaxtron.convert.hf.save(model, "out/hf")          # AutoModelForCausalLM.from_pretrained("out/hf") loads it

@@ -1,5 +1,6 @@
 """Hugging Face config.json <-> jaxtron :class:`~jaxtron.config.ModelConfig`: the supported architectures
-(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``), RoPE (default and
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
+``Qwen3MoeForCausalLM``; the MoE keys in :mod:`jaxtron.convert.hf_moe`), RoPE (default and
 llama3 scaling, in the transformers 4 and 5 spellings), the checks for options jaxtron's model does not implement,
 and the reverse mapping."""
 
@@ -15,9 +16,11 @@ import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
 from jaxtron.config.schema import MoEConfig
+from jaxtron.convert.hf_moe import (MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, check_moe_export, check_moe_hf,
+                                    moe_from_hf, moe_to_hf)
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "MixtralForCausalLM": "mixtral"}
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 
 CONFIG_NAME = "config.json"
@@ -106,6 +109,7 @@ def _check_unsupported(hf: Mapping, arch: str, source: str) -> None:
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (jaxtron attention is full "
                          f"causal)")
+    check_moe_hf(hf, arch, source)
 
 
 def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig:
@@ -123,8 +127,8 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
     heads = int(_get(hf, "num_attention_heads", source))
     kv_heads = int(_get(hf, "num_key_value_heads", source, heads))
     hd = hf.get("head_dim")
-    if hd is None and arch == "Qwen3ForCausalLM":
-        hd = 128  # transformers' Qwen3Config default when config.json has no head_dim (not hidden // heads)
+    if hd is None and arch in ("Qwen3ForCausalLM", QWEN3_MOE):
+        hd = 128  # transformers' Qwen3(Moe)Config default when config.json has no head_dim (not hidden // heads)
     if hd is None and hidden % heads:
         raise ValueError(f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
                          f"and head_dim is not set")
@@ -134,39 +138,35 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
                          f"num_key_value_heads={kv_heads}")
     if hd % 2:
         raise ValueError(f"{source}: head_dim={hd} must be even for RoPE")
-    moe = MoEConfig()
-    if arch == "MixtralForCausalLM":
-        # every layer: softmax over the router logits, top-k renormalized (Mixtral's softmax of the top-k)
-        moe = MoEConfig(num_experts=int(_get(hf, "num_local_experts", source)),
-                        num_experts_per_token=int(_get(hf, "num_experts_per_tok", source)),
-                        expert_intermediate_size=int(_get(hf, "intermediate_size", source)),
-                        score_func="softmax", norm_topk_prob=True,
-                        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0) or 0.0))
+    layers = int(_get(hf, "num_hidden_layers", source))
+    moe, ffn = MoEConfig(), None
+    if arch in MOE_ARCHITECTURES:
+        moe, ffn = moe_from_hf(hf, arch, layers, source)
     return ModelConfig(
         vocab_size=int(_get(hf, "vocab_size", source)),
         hidden_size=hidden,
-        num_layers=int(_get(hf, "num_hidden_layers", source)),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=None if hd * heads == hidden else hd,
-        intermediate_size=int(_get(hf, "intermediate_size", source)),
+        intermediate_size=ffn if ffn is not None else int(_get(hf, "intermediate_size", source)),
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(_get(hf, "rms_norm_eps", source, 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE),
         initializer_range=float(hf.get("initializer_range", 0.02)),
         moe=moe,
     )
 
 
 def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
-    if cfg.moe.num_experts:
-        _check_mixtral(cfg)
-        arch = architecture or "MixtralForCausalLM"
-        if arch != "MixtralForCausalLM":
-            raise ValueError(f"architecture: an MoE model saves as MixtralForCausalLM, not {arch!r}")
+    if cfg.moe.num_experts:  # Q/K norms: Qwen3-MoE, else Mixtral
+        arch = architecture or (QWEN3_MOE if cfg.qk_norm else MIXTRAL)
+        if arch not in MOE_ARCHITECTURES:
+            raise ValueError(f"architecture: an MoE model saves as one of {list(MOE_ARCHITECTURES)}, not {arch!r}")
+        check_moe_export(cfg, arch)
         return arch
     arch = architecture or ("Qwen3ForCausalLM" if cfg.qk_norm else
                             "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
@@ -186,29 +186,13 @@ def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
     return arch
 
 
-def _check_mixtral(cfg: ModelConfig) -> None:
-    """The MoE configs MixtralForCausalLM can hold: every layer routed, softmax top-k renormalized, nothing
-    else (shared experts, grouping, biases... have no Mixtral spelling; Qwen3-MoE export is not built)."""
-    e, d = cfg.moe, dataclasses.asdict(MoEConfig())
-    plain = {"num_shared_experts": 0, "first_dense_layers": 0, "layer_freq": 1, "score_func": "softmax",
-             "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "aux_free_bias": False}
-    for name, want in plain.items():
-        if getattr(e, name) != want:
-            raise ValueError(f"model.moe.{name}: {getattr(e, name)!r} has no MixtralForCausalLM equivalent "
-                             f"(needs {want!r}; default {d[name]!r})")
-    if cfg.qkv_bias:
-        raise ValueError("model.qkv_bias: MixtralForCausalLM has no Q/K/V biases")
-    if cfg.qk_norm:
-        raise ValueError("model.qk_norm: MixtralForCausalLM has no Q/K norms (Qwen3-MoE's import/export is not "
-                         "built yet)")
-
-
 def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
                  max_position_embeddings: Optional[int] = None, dtype: Optional[str] = None) -> dict:
     """The Hugging Face config.json dict for ``cfg``.
 
     ``architecture`` defaults to ``Qwen3ForCausalLM`` when ``cfg.qk_norm``, ``Qwen2ForCausalLM`` when
-    ``cfg.qkv_bias``, else ``LlamaForCausalLM``.
+    ``cfg.qkv_bias``, else ``LlamaForCausalLM``; for an MoE model, ``Qwen3MoeForCausalLM`` when
+    ``cfg.qk_norm``, else ``MixtralForCausalLM``.
     RoPE is written as transformers 5 reads it (``rope_parameters`` with ``rope_type`` and ``rope_theta``)
     and also as transformers 4 reads it (top-level ``rope_theta`` and ``rope_scaling``; transformers 5
     folds these into the same ``rope_parameters``). jaxtron has no position table, so
@@ -256,11 +240,8 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
     }
     if arch == "LlamaForCausalLM":
         hf.update(attention_bias=False, mlp_bias=False)
-    elif arch == "MixtralForCausalLM":
-        e = cfg.moe
-        hf.update(intermediate_size=e.expert_intermediate_size, num_local_experts=e.num_experts,
-                  num_experts_per_tok=e.num_experts_per_token, router_aux_loss_coef=e.aux_loss_coef,
-                  output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
+    elif arch in MOE_ARCHITECTURES:
+        hf.update(moe_to_hf(cfg, arch))
     else:
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
     if arch == "Qwen3ForCausalLM":

@@ -22,8 +22,8 @@ model.layers.{i}.mlp.down_proj.weight [d, f]       layers.mlp.w_down           x
 Qwen3 adds ``model.layers.{i}.self_attn.{q,k}_norm.weight [k]`` <-> ``layers.attention.{q,k}_norm.scale``
 (``x[i]``), the per-head RMSNorm scales of ``model.qk_norm``.
 
-Mixtral (``MixtralForCausalLM``; transformers 5 still writes these per-expert names) replaces the three MLP
-rows with, for expert ``j``:
+An MoE model's MLP rows become, for expert ``j`` (transformers 5 fuses the experts in memory but still writes
+and reads these per-expert names), in Mixtral (``MixtralForCausalLM``):
 
 =====================================================  =====================  ===================
 model.layers.{i}.block_sparse_moe.gate.weight [E, d]   layers.mlp.router      x[i].T
@@ -31,6 +31,11 @@ model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight  layers.mlp.w_gate    x[
 model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight  layers.mlp.w_up      x[i, j].T
 model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight  layers.mlp.w_down    x[i, j].T
 =====================================================  =====================  ===================
+
+and in Qwen3-MoE (``Qwen3MoeForCausalLM``, with Qwen3's Q/K norms) ``mlp.gate.weight`` and
+``mlp.experts.{j}.{gate,up,down}_proj.weight`` in their place. jaxtron stacks the decoder layers by kind
+(``dense_layers``; ``layers``, or ``layers.dense_{s}`` and ``layers.moe`` with model.moe.layer_freq > 1): the
+``x[i]`` above is then the scanned unit of that stack holding HF layer ``i`` (:func:`hf_moe.layer_blocks`).
 
 jaxtron's RoPE uses the same rotate-half convention as Hugging Face, so q/k weights need no permutation.
 Every mapping above is a reshape plus a transpose, i.e. a *view*: :func:`params_to_hf` returns views of
@@ -55,6 +60,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxtron.config import ModelConfig
+from jaxtron.convert.hf_moe import layer_blocks, moe_weight_names
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -90,13 +96,17 @@ def _same(x: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
-    """One weight: its HF name (``{i}`` = layer index when ``stacked``), its jaxtron pure-dict path, and
+    """One weight: its HF name (``{i}`` = layer index when stacked), its jaxtron pure-dict path, and
     ``to_hf``: a function that returns a *view* of a (per-layer) jaxtron array in HF layout."""
     hf_name: str
     path: tuple[str, ...]
     to_hf: Callable[[np.ndarray], np.ndarray]
-    stacked: bool = False
+    layers: tuple[int, ...] = ()  # stacked: the HF layer index of each entry of the leading axis
     experts: int = 0  # > 0: also one HF tensor per expert ({j}), a second stacked axis of that size
+
+    @property
+    def stacked(self) -> bool:
+        return bool(self.layers)
 
 
 def _specs(cfg: ModelConfig) -> list[_Spec]:
@@ -125,22 +135,23 @@ def _specs(cfg: ModelConfig) -> list[_Spec]:
     layer += [
         ("post_attention_layernorm.weight", ("mlp_norm", "scale"), _same),
     ]
-    experts = []
-    if cfg.moe.num_experts:  # Mixtral: every layer routed (hf_config checks the config has that shape)
-        layer.append(("block_sparse_moe.gate.weight", ("mlp", "router"), _linear_in))
-        experts = [("block_sparse_moe.experts.{j}.w1.weight", ("mlp", "w_gate"), _linear_in),
-                   ("block_sparse_moe.experts.{j}.w2.weight", ("mlp", "w_down"), _linear_out),
-                   ("block_sparse_moe.experts.{j}.w3.weight", ("mlp", "w_up"), _linear_in)]
-    else:
-        layer += [
-            ("mlp.gate_proj.weight", ("mlp", "w_gate"), _linear_in),
-            ("mlp.up_proj.weight", ("mlp", "w_up"), _linear_in),
-            ("mlp.down_proj.weight", ("mlp", "w_down"), _linear_out),
-        ]
-    specs += [_Spec(f"model.layers.{{i}}.{name}", ("layers",) + path, fn, stacked=True)
-              for name, path, fn in layer]
-    specs += [_Spec(f"model.layers.{{i}}.{name}", ("layers",) + path, fn, stacked=True,
-                    experts=cfg.moe.num_experts) for name, path, fn in experts]
+    dense = [
+        ("mlp.gate_proj.weight", ("mlp", "w_gate"), _linear_in),
+        ("mlp.up_proj.weight", ("mlp", "w_up"), _linear_in),
+        ("mlp.down_proj.weight", ("mlp", "w_down"), _linear_out),
+    ]
+    for prefix, ids, moe in layer_blocks(cfg):
+        rows = list(layer)
+        expert_rows = []
+        if moe:
+            (router, key), experts = moe_weight_names(cfg)
+            rows.append((router, ("mlp", key), _linear_in))
+            expert_rows = [(name, ("mlp", key), _linear_out if out else _linear_in) for name, key, out in experts]
+        else:
+            rows += dense
+        specs += [_Spec(f"model.layers.{{i}}.{name}", prefix + path, fn, layers=ids) for name, path, fn in rows]
+        specs += [_Spec(f"model.layers.{{i}}.{name}", prefix + path, fn, layers=ids, experts=cfg.moe.num_experts)
+                  for name, path, fn in expert_rows]
     specs.append(_Spec("model.norm.weight", ("final_norm", "scale"), _same))
     if not cfg.tie_embeddings:
         specs.append(_Spec("lm_head.weight", ("lm_head",), _linear_in))
@@ -150,8 +161,8 @@ def _specs(cfg: ModelConfig) -> list[_Spec]:
 def _hf_names(cfg: ModelConfig, spec: _Spec) -> list[str]:
     """The HF names of a spec: one, one per layer, or one per layer and expert (layer-major)."""
     if spec.experts:
-        return [spec.hf_name.format(i=i, j=j) for i in range(cfg.num_layers) for j in range(spec.experts)]
-    return [spec.hf_name.format(i=i) for i in range(cfg.num_layers)] if spec.stacked else [spec.hf_name]
+        return [spec.hf_name.format(i=i, j=j) for i in spec.layers for j in range(spec.experts)]
+    return [spec.hf_name.format(i=i) for i in spec.layers] if spec.stacked else [spec.hf_name]
 
 
 def _per_tensor(arr, spec: _Spec) -> list:
@@ -194,9 +205,9 @@ def params_to_hf(cfg: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
     for spec in _specs(cfg):
         arr = np.asarray(_tree_get(params, spec.path, "params_to_hf"))
         if spec.stacked:
-            if arr.ndim == 0 or arr.shape[0] != cfg.num_layers:
+            if arr.ndim == 0 or arr.shape[0] != len(spec.layers):
                 raise ValueError(f"params_to_hf: {'.'.join(spec.path)} has shape {arr.shape}; expected a leading "
-                                 f"layers axis of {cfg.num_layers}")
+                                 f"layers axis of {len(spec.layers)}")
             for name, part in zip(_hf_names(cfg, spec), _per_tensor(arr, spec)):
                 out[name] = spec.to_hf(part)
         else:
