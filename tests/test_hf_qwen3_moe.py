@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxtron.config.schema import MoEConfig  # noqa: E402
 from jaxtron.convert import hf  # noqa: E402
+from test_generate import _hf_greedy  # noqa: E402
 from test_hf_parity import (HEADS, HIDDEN, _assert_close, _hf_logits, _jax_logits, _jaxtron_model,  # noqa: E402
                             _randomize_torch, _tokens)
 
@@ -100,13 +101,7 @@ def test_imported_qwen3_moe_greedy_generation_matches_transformers(tmp_path):
     hf_model.save_pretrained(tmp_path)
     _, model = hf.load(str(tmp_path), dtype="float32")
     prompts, new = [[5, 9, 17, 3, 44, 2, 8], [7, 1, 99]], 10
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                                    eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+    expected = [_hf_greedy(hf_model, p, new) for p in prompts]
     assert generate(model, prompts, max_new_tokens=new).rows() == expected
 
 

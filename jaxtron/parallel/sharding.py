@@ -107,14 +107,10 @@ def per_shard(fn, in_names: Sequence, out_names):
     per-device kernels (Pallas) compose with data, FSDP and tensor parallelism. ``None`` in ``in_names``
     marks an argument passed as is (e.g. an absent optional input). Outside a mesh + rules context, ``fn``
     itself is returned."""
-    ctx = getattr(_STATE, "ctx", None)
-    if ctx is None:
+    ctx = current_context()
+    if ctx is None or ctx[1] is None:
         return fn
     rules, mesh = ctx
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh is None or mesh.empty:
-            return fn
     spec = lambda names: logical_to_spec(names, rules)
     # one result: a tuple of names; several: a list of them
     out_specs = tuple(spec(n) for n in out_names) if isinstance(out_names, list) else spec(out_names)
