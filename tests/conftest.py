@@ -1,9 +1,29 @@
 """Tests run on the CPU with 8 virtual devices (set before JAX initializes its backends)."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _share_compiled_programs() -> str | None:
+    """One persistent XLA compilation cache for the whole run: the xdist workers and the subprocesses the tests
+    start (the CLI; not the multi-process runs, see test_multihost.py) inherit JAX_COMPILATION_CACHE_DIR, so a
+    program that many tests compile (the tiny model's train step on one layout, the one-device reference of the
+    equality tests) is compiled once. Compiling dominates this suite's time on CPU. The run starts with an empty cache, made here (in the
+    xdist controller, before it starts the workers) and removed at the end; a cache the caller set is left
+    alone."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    path = tempfile.mkdtemp(prefix="jaxtron-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    return path
+
+
+_OWN_CACHE = _share_compiled_programs()
 
 from jaxtron.jax_startup import import_jax  # noqa: E402
 
@@ -33,3 +53,8 @@ def _jaxtron_logger_restored():
     saved = (list(logger.handlers), logger.propagate, logger.level)
     yield
     logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -35,7 +35,7 @@ BAD_MOE = [
     (["model.moe.aux_loss_coef=-1"], "model.moe.aux_loss_coef"),
     (["model.moe.shared_expert_gate=true"], "model.moe.shared_expert_gate"),  # no shared experts
     (["model.moe.num_experts=-1"], "model.moe.num_experts"),
-    (["parallel.stage=2"], "parallel.stage"),                               # MoE with pipeline: not yet
+    (["model.moe.first_dense_layers=1", "parallel.stage=2"], "parallel.stage"),  # 1 MoE unit, 2 stages
 ]
 
 
@@ -260,13 +260,19 @@ def _moe_record(cfg, devices):
     trainer = Trainer(cfg, devices)
     batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
     grads, metrics = trainer.gradients(batch)
-    record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
+    grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+    if "expert_bias" in grads["layers"]["mlp"]:  # state moved from the load, not by gradients
+        assert not np.any(grads["layers"]["mlp"].pop("expert_bias"))
+    record = {"grads": grads,
               "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": [], "moe": []}
     for _ in range(3):
         m = trainer.step(batch)
         record["losses"].append(float(m["loss"]))
         record["grad_norms"].append(float(m["grad_norm"]))
         record["moe"].append([float(m[k]) for k in MOE_METRICS])
+    params = jax.device_get(trainer.state["params"])
+    if "expert_bias" in params["layers"]["mlp"]:
+        record["bias"] = np.asarray(params["layers"]["mlp"]["expert_bias"])  # [MoE layers, E]
     return record
 
 
@@ -289,6 +295,39 @@ def test_dropless_moe_on_data2_fsdp2_tensor2_equals_one_device(one_device):
     np.testing.assert_allclose(eight["moe"], one["moe"], rtol=1e-5)
     assert set(one["grads"]["layers"]["mlp"]) >= {"router", "w_gate", "w_up", "w_down", "shared", "shared_gate"}
     assert "dense_layers" in one["grads"]
+
+
+# 5 layers: the dense first one (run before the stages) and 4 MoE layers, 2 or (circular) 1 per chunk; the
+# aux-free bias moves fast, so the later steps' routing depends on every layer's load reaching its own bias
+PIPELINE_MOE = (*PARALLEL_MOE, "model.num_layers=5", "model.moe.aux_free_bias=true",
+                "model.moe.bias_update_rate=0.05")
+
+
+@pytest.fixture(scope="module")
+def one_device_two_micro_batches():
+    return _moe_record(tiny_config(*PIPELINE_MOE, "parallel.data=1", "train.micro_batch_size=4"),
+                       jax.devices()[:1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("circular", 2)])
+def test_dropless_moe_through_pipeline_stages_equals_one_device(one_device_two_micro_batches, schedule, virtual):
+    """stage 2 x data 2 x tensor 2, 2 micro batches, against one device accumulating the same 2 micro batches
+    (the load-balancing loss is per micro batch): losses, every gradient leaf and the router metrics, with
+    the router losses' gradients reaching the stages through the 1F1B backward (manual VJPs) and through the
+    differentiated circular loop, and the expert loads of every stage's layers updating their own biases.
+    (gpipe runs the circular loop with one chunk per stage.)"""
+    from helpers import assert_same_training
+
+    one = one_device_two_micro_batches
+    cfg = tiny_config(*PIPELINE_MOE, "parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
+                      "train.micro_batch_size=2", f"parallel.pipeline_schedule={schedule}",
+                      f"parallel.virtual_stages={virtual}")
+    eight = _moe_record(cfg, jax.devices())
+    assert_same_training(eight, one)
+    np.testing.assert_allclose(eight["moe"], one["moe"], rtol=1e-5)
+    np.testing.assert_allclose(eight["bias"], one["bias"], atol=1e-6)  # each layer's bias from its own load
+    assert len({tuple(row) for row in one["bias"]}) > 1, one["bias"]     # and the layers' biases differ
 
 
 def test_cached_decoding_of_grouped_moe_layers_equals_the_full_forward():

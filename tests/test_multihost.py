@@ -22,7 +22,10 @@ COMMON = TINY + ["data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "tr
 
 
 def _env(devices, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRON_")}
+    # No persistent compilation cache here (conftest sets one): two processes, one of which loads a cached
+    # executable and the other compiles it, could not agree on a Gloo context on XLA:CPU (jax 0.10.2: each
+    # waited 30 s for the other's key, then failed).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRON_") and k != "JAX_COMPILATION_CACHE_DIR"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
     return env
 

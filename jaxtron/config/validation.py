@@ -116,9 +116,6 @@ def _validate_moe(cfg: Config) -> None:
         v = getattr(e, name)
         check(v >= 0, f"model.moe.{name}", f"must be >= 0, got {v}")
     check(e.capacity_factor > 0, "model.moe.capacity_factor", f"must be > 0, got {e.capacity_factor}")
-    # the pipeline runs one stacked 'layers' group per stage and carries no MoE losses across stages yet
-    check(cfg.parallel.stage == 1, "parallel.stage", "MoE models (model.moe.num_experts > 0) do not run with "
-          "pipeline stages yet; use parallel.stage=1")
 
 
 def _validate_optim(cfg: Config) -> None:

@@ -96,9 +96,9 @@ class MoEGroup(nnx.Module):
         return x, (jnp.stack(ks), jnp.stack(vs))
 
 
-def _stacked(count: int, make, rngs: nnx.Rngs):
+def _stacked(count: int, make, rngs: nnx.Rngs, axis: str = "layers"):
     @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count, transform_metadata={nnx.PARTITION_NAME: axis})
     def create(rngs: nnx.Rngs):
         return make(rngs)
 
@@ -115,7 +115,9 @@ def layer_stacks(cfg: ModelConfig) -> list[tuple[str, int, int]]:
 
 
 def _make_stack(cfg: ModelConfig, key: str, units: int, rngs: nnx.Rngs):
-    if key == "dense_layers" or not cfg.moe.num_experts:
+    if key == "dense_layers":  # not split over pipeline stages: the first stage runs them before its chunk
+        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r), rngs, axis="dense_layers")
+    if not cfg.moe.num_experts:
         return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r), rngs)
     if cfg.moe.layer_freq == 1:
         return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r, moe=True), rngs)
@@ -153,7 +155,7 @@ class Llama(nnx.Module):
         x = self.run_layers(x, positions, segment_ids)
         return self.logits(x)
 
-    # The three parts of the forward, usable on their own (a pipeline runs ``run_layers`` on a slice of the
+    # The parts of the forward, usable on their own (a pipeline runs ``run_stack`` on a slice of the
     # stacked layers, the embedding before it and the logits after it).
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -164,7 +166,8 @@ class Llama(nnx.Module):
         table = constrain(self.embed[...].astype(dt), ("vocab", "act_embed"))
         return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
 
-    def _rope(self, positions: jax.Array) -> Rope:
+    def rope(self, positions: jax.Array) -> Rope:
+        """RoPE for these positions (the cos/sin tables computed once for all the layers with rope_impl=xla)."""
         inv_freq = rope_frequencies(self.cfg)
         if self.cfg.rope_impl == "xla":  # the cos/sin tables once for all the layers
             return Rope(positions, inv_freq, *rope_tables(positions, inv_freq))
@@ -183,20 +186,25 @@ class Llama(nnx.Module):
 
     def run_layers_with_stats(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]):
         """:meth:`run_layers` and the MoE layers' router stats (None for a dense model)."""
-        rope = self._rope(positions)
+        rope = self.rope(positions)
         stats = None
         for key, _, _ in layer_stacks(self.cfg):
-            graphdef, state = nnx.split(getattr(self, key))
-
-            def block(carry, layer_state):
-                out = nnx.merge(graphdef, layer_state)(carry, rope, segment_ids)
-                return out if isinstance(out, tuple) else (out, None)
-
-            if self.cfg.remat != "none":
-                block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-            x, out = jax.lax.scan(block, x, state, unroll=self.cfg.scan_unroll)
+            x, out = self.run_stack(key, x, rope, segment_ids)
             stats = out if out is not None else stats  # only the 'layers' stack of an MoE model has MoE layers
         return x, stats
+
+    def run_stack(self, key: str, x: jax.Array, rope: Rope, segment_ids: Optional[jax.Array]):
+        """One stack of decoder blocks (``layers`` or ``dense_layers``), scanned with the remat policy:
+        (x, per-unit router stats or None)."""
+        graphdef, state = nnx.split(getattr(self, key))
+
+        def block(carry, layer_state):
+            out = nnx.merge(graphdef, layer_state)(carry, rope, segment_ids)
+            return out if isinstance(out, tuple) else (out, None)
+
+        if self.cfg.remat != "none":
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        return jax.lax.scan(block, x, state, unroll=self.cfg.scan_unroll)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, index, start: jax.Array
                        ) -> tuple[jax.Array, KVCache]:
@@ -206,7 +214,7 @@ class Llama(nnx.Module):
         :meth:`run_layers`, their attention against the cache (:mod:`jaxtron.model.cache`)."""
         index = jnp.asarray(index, jnp.int32)
         x = self.embed_tokens(tokens)
-        rope = self._rope(positions)
+        rope = self.rope(positions)
         mask = cache_mask(start.astype(jnp.int32), index, tokens.shape[1], cache.k.shape[2])
         ks, vs, first = [], [], 0
         for key, units, per_unit in layer_stacks(self.cfg):

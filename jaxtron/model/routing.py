@@ -100,6 +100,30 @@ def update_expert_bias(params: dict, load: jax.Array, rate: float) -> dict:
     return jax.tree_util.tree_map_with_path(upd, params)
 
 
+def layer_terms(stats: Optional[dict], n: jax.Array, cfg: MoEConfig, num_moe_layers: int
+                ) -> tuple[jax.Array, dict]:
+    """What some MoE layers add to a micro batch's loss: ``(objective term, report)``. ``stats`` are the
+    layers' router stats (leading [layers] axis; None: no MoE layer, zero and {}), ``n`` the micro batch's
+    token count. The objective adds n * (aux_coef * aux + z_coef * z) with aux and z means over all
+    ``num_moe_layers`` MoE layers, so the terms of a subset of layers (a pipeline stage's) add up to the whole
+    model's. The report keeps the leading [layers] axis (no gradient): ``moe_aux_loss``/``moe_z_loss`` (those
+    means' per-layer shares times n), ``moe_load`` [layers, E], ``moe_dropped``/``moe_assigned``."""
+    if stats is None:
+        return jnp.zeros((), jnp.float32), {}
+    share = n / num_moe_layers
+    aux, z = stats["aux_loss"] * share, stats["z_loss"] * share
+    objective = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)
+    report = {"moe_aux_loss": aux, "moe_z_loss": z, "moe_load": stats["load"], "moe_dropped": stats["dropped"],
+              "moe_assigned": stats["assigned"]}
+    return objective, jax.tree.map(jax.lax.stop_gradient, report)
+
+
+def report_sums(report: dict) -> dict:
+    """:func:`layer_terms`' report of all the MoE layers -> the step's aux sums: scalars summed over layers,
+    ``moe_load`` kept per layer [layers, E] (the aux-free bias update needs it)."""
+    return {k: v if k == "moe_load" else jnp.sum(v) for k, v in report.items()}
+
+
 def step_metrics(aux: dict, n: jax.Array) -> tuple[dict, Optional[jax.Array]]:
     """The train step's MoE metrics from the summed aux entries of the loss (see jaxtron.train.step):
     ``moe_aux_loss`` and ``moe_z_loss`` (means over MoE layers and tokens, before their coefficients),

@@ -91,9 +91,14 @@ def check_parallel(cfg: Config, sizes: Optional[Mapping[str, int]] = None) -> No
     stages, tensor = known.get("stage"), known.get("tensor")
     if stages is not None:
         chunks = stages * p.virtual_stages
-        _check(m.num_layers % chunks == 0, "model.num_layers",
+        _check(m.moe.num_experts or m.num_layers % chunks == 0, "model.num_layers",
                f"{m.num_layers} layers cannot be split into parallel.stage ({stages}) x parallel.virtual_stages "
                f"({p.virtual_stages}) = {chunks} equal chunks")
+        if m.moe.num_experts:  # the stages split the scanned MoE units; the leading dense layers run before
+            units = (m.num_layers - m.moe.first_dense_layers) // m.moe.layer_freq
+            _check(units % chunks == 0, "parallel.stage", f"the {units} scanned MoE units (model.num_layers - "
+                   f"model.moe.first_dense_layers, in groups of model.moe.layer_freq) cannot be split into "
+                   f"parallel.stage ({stages}) x parallel.virtual_stages ({p.virtual_stages}) = {chunks} chunks")
     if tensor is not None:
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
             _check(getattr(m, name) % tensor == 0, "parallel.tensor",

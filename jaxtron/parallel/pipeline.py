@@ -5,7 +5,9 @@ parallelism keep working inside each stage (those axes stay automatic). Micro ba
 ``ppermute``. The model is not changed: the caller hands over three pure functions,
 
     pre(shared, mb) -> x                   the embedding of one micro batch
-    stage(chunk, x, mb) -> x               a contiguous chunk of the stacked layers applied to x
+    stage(chunk, x, mb) -> (x, side)       a contiguous chunk of the stacked layers applied to x; side is
+                                           (objective term, per-layer report): MoE router losses, which the
+                                           pipeline adds to the loss, and their stats ({} for dense layers)
     post(shared, x, mb) -> (loss, aux)     loss sum to differentiate and a pytree of sums to report
 
 where ``stacked`` holds the leaves with a leading ``layers`` axis, ``shared`` the rest (embedding, final norm,
@@ -140,36 +142,54 @@ def _in_stage_rules(fn: Callable, rules) -> Callable:
 # ------------------------------------------------------------------------------------------ gpipe/circular
 
 
+def _side_zeros(stage: Callable, local: Any, x: jax.Array, mb: dict, chunks: int):
+    """Zeros shaped like ``stage``'s side output ``(objective term, per-layer report)``, and like the report
+    of all ``chunks`` chunks ([chunks, Lc, ...] per leaf)."""
+    obj, report = jax.eval_shape(lambda: stage(local, x, mb)[1])
+    zeros = lambda a, lead=(): jnp.zeros(lead + a.shape, a.dtype)
+    return (zeros(obj), jax.tree.map(zeros, report)), jax.tree.map(lambda a: zeros(a, (chunks,)), report)
+
+
+def _layer_order(report: Any) -> Any:
+    """[chunks, Lc, ...] -> [L, ...]: chunk c holds layers [c * Lc, (c + 1) * Lc) (see :func:`_chunked`)."""
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), report)
+
+
 def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chunks: Any, xs: jax.Array,
-                     micro: dict, act_dtype) -> jax.Array:
-    """Run the stage loop on embedded micro batches xs [M, mb, seq, d]; the last chunk's outputs [M, ...],
-    split over ``stage`` along M when S divides M (else replicated)."""
+                     micro: dict, act_dtype):
+    """Run the stage loop on embedded micro batches xs [M, mb, seq, d]: the last chunk's outputs [M, ...],
+    split over ``stage`` along M when S divides M (else replicated), the sum of the stages' objective terms
+    and their per-layer reports summed over micro batches (layer order)."""
     S, M, V = spec.stages, spec.micro_batches, spec.chunks_per_device
     split_out = M % S == 0
 
     @jax.checkpoint
-    def run_chunk(local, v, x, m, valid):
+    def run_chunk(local, v, x, m, valid, no_side):
         """One tick of one stage, rematerialized (the backward keeps only the stage input per tick). Fill and
         drain ticks skip the stage: the cond sits inside the checkpoint, so its operands (the stage weights)
         are not residuals of every tick (measured: no change in temp memory at M = 64)."""
         def run():
-            return stage(_index(local, v), x.astype(act_dtype), _index(micro, m)).astype(x.dtype)
-        return lax.cond(valid, run, lambda: x)
+            y, side = stage(_index(local, v), x.astype(act_dtype), _index(micro, m))
+            return y.astype(x.dtype), side
+        return lax.cond(valid, run, lambda: (x, no_side))
 
     def body(chunks, xs, micro_in):
         local = jax.tree.map(lambda a: a[0], chunks)                     # [V, Lc, ...]
         s = lax.axis_index(AXIS)
         ring = [(j, (j + 1) % S) for j in range(S)]
+        no_side, report0 = _side_zeros(stage, _index(local, 0), xs[0].astype(act_dtype), _index(micro, 0), S * V)
 
         def tick(carry, t):
-            cur, loop_buf, outs = carry
+            cur, loop_buf, outs, obj, report = carry
             i = t - s
             valid = (i >= 0) & (i < V * M)
             ic = jnp.clip(i, 0, V * M - 1)
             v, m = ic // M, ic % M
             first = xs[m] if V == 1 else jnp.where(v == 0, xs[m], loop_buf[m])
             x_in = jnp.where(s == 0, first, cur)
-            y = run_chunk(local, v, x_in, m, valid)
+            y, (obj_t, report_t) = run_chunk(local, v, x_in, m, valid, no_side)
+            obj = obj + obj_t
+            report = jax.tree.map(lambda r, a: r.at[v * S + s].add(a), report, report_t)
             done = valid & (s == S - 1) & (v == V - 1)
             outs = outs.at[m].set(jnp.where(done, y, outs[m]))
             nxt = lax.ppermute(y, AXIS, ring)
@@ -178,19 +198,21 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
                 back = (s == 0) & (il >= 0) & (il < (V - 1) * M)
                 ml = jnp.clip(il, 0, V * M - 1) % M
                 loop_buf = loop_buf.at[ml].set(jnp.where(back, nxt, loop_buf[ml]))
-            return (nxt, loop_buf, outs), None
+            return (nxt, loop_buf, outs, obj, report), None
 
         zeros = jnp.zeros_like(xs[0])
-        carry = (zeros, jnp.zeros_like(xs) if V > 1 else None, jnp.zeros_like(xs))
-        (_, _, outs), _ = lax.scan(tick, carry, jnp.arange(spec.ticks))
+        carry = (zeros, jnp.zeros_like(xs) if V > 1 else None, jnp.zeros_like(xs), no_side[0], report0)
+        (_, _, outs, obj, report), _ = lax.scan(tick, carry, jnp.arange(spec.ticks))
         outs = jnp.where(s == S - 1, outs, jnp.zeros_like(outs))
+        obj, report = lax.psum((obj, report), AXIS)   # each stage holds the terms of its own chunks
         if split_out:
-            return lax.psum_scatter(outs, AXIS, scatter_dimension=0, tiled=True)
-        return lax.psum(outs, AXIS)
+            return lax.psum_scatter(outs, AXIS, scatter_dimension=0, tiled=True), obj, report
+        return lax.psum(outs, AXIS), obj, report
 
     fn = _shard_map(_in_stage_rules(body, rules), mesh, (_stage_specs(chunks), P(), _replicated(micro)),
-                    P(AXIS) if split_out else P())
-    return fn(chunks, xs, micro)
+                    (P(AXIS) if split_out else P(), P(), P()))
+    outs, obj, report = fn(chunks, xs, micro)
+    return outs, obj, _layer_order(report)
 
 
 def _over_micro(spec: PipelineSpec, fn: Callable, shared: Any, xs: Any, micro: dict, carry0: Any):
@@ -257,7 +279,8 @@ def _post_loss(spec: PipelineSpec, post: Callable, shared: Any, outs: jax.Array,
 
 def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
                  stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
-    """(loss, aux) summed over the micro batches, through the gpipe/circular forward loop. Differentiable."""
+    """``(loss, (aux, report))`` summed over the micro batches, through the gpipe/circular forward loop: the
+    loss includes the stages' objective terms; ``report`` is theirs in layer order. Differentiable."""
     chunks = _chunked(stacked, stacked_specs, spec, mesh)
     xs = jax.vmap(pre, in_axes=(None, 0))(shared, micro)                      # [M, mb, seq, d]
     dtype = xs.dtype
@@ -265,8 +288,9 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
         # XLA:CPU's bf16 all-reduce rewrite (ChangeOpDataType) aborts on the stage reductions of 16-bit
         # arrays at this boundary, so on CPU they cross it in fp32.
         xs = xs.astype(jnp.float32)
-    outs = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro, dtype).astype(dtype)
-    return _post_loss(spec, post, shared, outs, micro)
+    outs, obj, report = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro, dtype)
+    loss, aux = _post_loss(spec, post, shared, outs.astype(dtype), micro)
+    return loss + obj, (aux, jax.tree.map(lax.stop_gradient, report))
 
 
 # -------------------------------------------------------------------------------------------------- 1f1b
@@ -287,19 +311,21 @@ def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
         is_first, is_last = s == 0, s == S - 1
         zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
         zero_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_aval)
+        _, report0 = _side_zeros(stage, local, zeros_x, _index(micro, 0), S)
 
         def f(params, x_in, m):
-            """This stage's part of micro batch m: ((output, loss), aux)."""
+            """This stage's part of micro batch m: ((output, loss), (aux, report)); the loss is the stage's
+            objective term, plus the post's loss on the last stage."""
             local, shared = params
             mb = _index(micro, m)
             x0 = lax.cond(is_first, lambda: pre(shared, mb), lambda: x_in)
-            y = stage(local, x0, mb)
+            y, (obj, report) = stage(local, x0, mb)
             loss, aux = lax.cond(is_last, lambda: post(shared, y, mb),
                                  lambda: (jnp.zeros((), jnp.float32), zero_aux))
-            return (y, loss), aux
+            return (y, loss + obj), (aux, report)
 
         def tick(carry, t):
-            fwd_in, bwd_in, ring, grads, sums = carry
+            fwd_in, bwd_in, ring, grads, (sums, report) = carry
             m_f = t - s
             valid_f = (m_f >= 0) & (m_f < M)
             mf = jnp.clip(m_f, 0, M - 1)
@@ -312,30 +338,31 @@ def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
             mb_i = jnp.clip(m_b, 0, M - 1)
 
             def backward(grads, sums):
-                (_, loss), vjp, aux = jax.vjp(lambda p, x: f(p, x, mb_i), (local, shared), ring[mb_i % R],
-                                              has_aux=True)
+                (_, loss), vjp, (aux, rep) = jax.vjp(lambda p, x: f(p, x, mb_i), (local, shared),
+                                                     ring[mb_i % R], has_aux=True)
                 dy = jnp.where(is_last, jnp.zeros_like(bwd_in), bwd_in)
-                dparams, dx = vjp((dy, jnp.where(is_last, 1.0, 0.0).astype(loss.dtype)))
+                dparams, dx = vjp((dy, jnp.ones((), loss.dtype)))
                 grads = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, dparams)
-                return grads, jax.tree.map(jnp.add, sums, aux), dx
+                report = jax.tree.map(lambda r, a: r.at[s].add(a), sums[1], rep)
+                return grads, (jax.tree.map(jnp.add, sums[0], aux), report), dx
 
-            grads, sums, dx = lax.cond(valid_b, backward, lambda g, a: (g, a, zeros_x), grads, sums)
+            grads, sums, dx = lax.cond(valid_b, backward, lambda g, a: (g, a, zeros_x), grads, (sums, report))
             fwd_next = lax.ppermute(y, AXIS, [(j, j + 1) for j in range(S - 1)])
             bwd_next = lax.ppermute(dx, AXIS, [(j, j - 1) for j in range(1, S)])
             return (fwd_next, bwd_next, ring, grads, sums), None
 
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (local, shared))
-        carry = (zeros_x, zeros_x, jnp.zeros((R,) + zeros_x.shape, zeros_x.dtype), grads0, zero_aux)
+        carry = (zeros_x, zeros_x, jnp.zeros((R,) + zeros_x.shape, zeros_x.dtype), grads0, (zero_aux, report0))
         (_, _, _, (g_local, g_shared), sums), _ = lax.scan(tick, carry, jnp.arange(spec.ticks))
         g_shared = lax.psum(g_shared, AXIS)   # embedding grads live on the first stage, head grads on the last
-        sums = lax.psum(sums, AXIS)
+        sums = lax.psum(sums, AXIS)           # the loss's sums from the last stage, each stage's own report
         return jax.tree.map(lambda g: g[None, None], g_local), g_shared, sums
 
     fn = _shard_map(_in_stage_rules(body, rules), mesh,
                     (_stage_specs(chunks), _replicated(shared), _replicated(micro)),
                     (_stage_specs(chunks), _replicated(shared), P()))
-    g_chunks, g_shared, sums = fn(chunks, shared, micro)
-    return sums, (_unchunked(g_chunks, spec), g_shared)
+    g_chunks, g_shared, (sums, report) = fn(chunks, shared, micro)
+    return (sums, _layer_order(report)), (_unchunked(g_chunks, spec), g_shared)
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -343,9 +370,12 @@ def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
 
 def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
                    stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
-    """``(aux_sums, (grads_stacked, grads_shared))`` of the summed loss over ``micro`` ([M, mb, seq] arrays).
+    """``((aux_sums, report), (grads_stacked, grads_shared))`` of the summed loss over ``micro`` ([M, mb, seq]
+    arrays).
 
-    ``post`` returns ``(loss, aux)``; the gradient is that of the sum of ``loss`` over micro batches, in fp32.
+    ``post`` returns ``(loss, aux)`` and ``stage`` ``(x, (objective term, per-layer report))``; the gradient is
+    that of the sum over micro batches of ``loss`` and the stages' terms, in fp32; ``report`` is the stages'
+    reports summed over micro batches, in layer order.
     ``stacked_specs`` are the PartitionSpecs of the stacked leaves (leading axis over 'stage')."""
     if spec.schedule == "1f1b":
         return _one_f_one_b(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro)

@@ -36,6 +36,7 @@ _PARAM_RULES: Rules = (
     ("head_dim", None),
     ("norm", None),
     ("layers", "stage"),  # stacked decoder layers: contiguous chunks per pipeline stage
+    ("dense_layers", None),  # an MoE model's leading dense blocks: run with the embedding, before the stages
 )
 
 # Activation axes.

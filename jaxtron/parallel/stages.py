@@ -2,10 +2,11 @@
 parts :mod:`jaxtron.parallel.pipeline` runs (the embedding, a chunk of the stacked decoder layers, and the
 logits with the loss).
 
-The model only has to offer ``embed_tokens(tokens)``, ``run_layers(x, positions, segment_ids)`` and
-``logits(x)``, and keep its stacked decoder blocks under the ``layers`` parameter key (the logical axis the
-rules split over pipeline stages). The loss stays the caller's: ``loss_sums(logits, micro_batch)`` returns
-``(objective sum, (reported loss sum, token count, aux sums))``.
+The model only has to offer ``embed_tokens(tokens)``, ``rope(positions)``, ``run_stack(key, x, rope,
+segment_ids)`` and ``logits(x)``, and keep its stacked decoder blocks under the ``layers`` parameter key (the
+logical axis the rules split over pipeline stages). The loss stays the caller's: ``loss_sums(logits,
+micro_batch)`` returns ``(objective sum, (reported loss sum, token count, aux sums))``. MoE layers add their
+router losses to the objective in the stage that runs them, and their stats to the aux sums.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtron.model import routing
+from jaxtron.model.llama import layer_stacks
 from jaxtron.parallel import pipeline
 from jaxtron.parallel.sharding import constrain
 
@@ -37,16 +40,27 @@ def _split_stacked(params: dict) -> tuple[dict, dict]:
 
 def _parts(graphdef, params_struct: dict, loss_sums: Callable, segments: Callable):
     """pre/stage/post: each rebuilds the model from the params it needs; the others are scalar placeholders
-    (the part of the forward it runs never reads them)."""
+    (the part of the forward it runs never reads them). An MoE model's leading dense layers (``dense_layers``,
+    not split over stages) run in ``pre``, after the embedding; ``stage`` returns its MoE layers' loss term
+    and per-layer report (:func:`jaxtron.model.routing.layer_terms`), zero and {} for a dense model."""
     stacked_struct, shared_struct = _split_stacked(params_struct)
     placeholder = lambda tree: jax.tree.map(lambda _: jnp.zeros((), jnp.float32), tree)
     model = lambda shared, layers: nnx.merge(graphdef, {**shared, STACKED: layers})
 
     def pre(shared, mb):
-        return model(shared, placeholder(stacked_struct)).embed_tokens(mb["inputs"])
+        m = model(shared, placeholder(stacked_struct))
+        x = m.embed_tokens(mb["inputs"])
+        for key, _, _ in layer_stacks(m.cfg):
+            if key != STACKED:
+                x = m.run_stack(key, x, m.rope(mb["positions"]), segments(mb))[0]
+        return x
 
     def stage(layers, x, mb):
-        return model(placeholder(shared_struct), layers).run_layers(x, mb["positions"], segments(mb))
+        m = model(placeholder(shared_struct), layers)
+        x, stats = m.run_stack(STACKED, x, m.rope(mb["positions"]), segments(mb))
+        n = jnp.sum(mb["loss_mask"].astype(jnp.float32))
+        moe_layers = dict((key, units) for key, units, _ in layer_stacks(m.cfg))[STACKED]  # one per MoE unit
+        return x, routing.layer_terms(stats, n, m.cfg.moe, moe_layers)
 
     def post(shared, x, mb):
         return loss_sums(model(shared, placeholder(stacked_struct)).logits(x), mb)
@@ -66,9 +80,15 @@ def pipelined_value_and_grad(layout, graphdef, param_shardings: dict, loss_sums:
     stacked, shared = _split_stacked(params)
     spec = layout.pipeline()
     micro = split_micro(batch, spec.micro_batches)
-    sums, (g_stacked, g_shared) = pipeline.value_and_grad(spec, layout.mesh, layout.rules, pre, stage, post,
-                                                          stacked, _stacked_specs(param_shardings), shared, micro)
-    return sums, {**g_shared, STACKED: g_stacked}
+    (sums, report), (g_stacked, g_shared) = pipeline.value_and_grad(
+        spec, layout.mesh, layout.rules, pre, stage, post, stacked, _stacked_specs(param_shardings), shared, micro)
+    return _with_report(sums, report), {**g_shared, STACKED: g_stacked}
+
+
+def _with_report(sums, report: dict):
+    """The loss's (loss sum, tokens, aux sums) with the stages' MoE report added to the aux sums."""
+    ce, n, aux = sums
+    return ce, n, {**aux, **routing.report_sums(report)}
 
 
 def pipelined_loss(layout, graphdef, param_shardings: dict, loss_sums: Callable, segments: Callable,
@@ -77,6 +97,8 @@ def pipelined_loss(layout, graphdef, param_shardings: dict, loss_sums: Callable,
     pre, stage, post = _parts(graphdef, params, loss_sums, segments)
     stacked, shared = _split_stacked(params)
     spec = layout.pipeline(for_eval=True)
-    return pipeline.forward_loss(spec, layout.mesh, layout.rules, pre, stage, post, stacked,
-                                 _stacked_specs(param_shardings), shared, split_micro(batch, spec.micro_batches))
+    objective, (sums, report) = pipeline.forward_loss(spec, layout.mesh, layout.rules, pre, stage, post, stacked,
+                                                      _stacked_specs(param_shardings), shared,
+                                                      split_micro(batch, spec.micro_batches))
+    return objective, _with_report(sums, report)
 

@@ -14,6 +14,7 @@ from jaxtron.config import Config
 from jaxtron.model import routing
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.stages import BATCH_AXES, pipelined_loss, pipelined_value_and_grad, split_micro
+from jaxtron.train.flops import moe_layer_count
 from jaxtron.train.loss import cross_entropy_sums
 from jaxtron.train.state import ModelSpec
 
@@ -47,14 +48,10 @@ def _sums(graphdef, params, batch, z_loss: float, packed: bool = True):
         return _logits_sums(model(batch["inputs"], batch["positions"], _segments(batch, packed)), batch, z_loss)
     logits, stats = model.forward_with_stats(batch["inputs"], batch["positions"], _segments(batch, packed))
     objective, (ce, n, _) = _logits_sums(logits, batch, z_loss)
-    # The MoE losses are means over the micro batch's tokens; weighted by its token count here, they add
+    # The MoE losses are means over the micro batch's tokens; weighted by its token count, they add
     # coef * loss to the per-token objective the step divides by the total count (micro batches by share).
-    moe = model.cfg.moe
-    aux_loss, router_z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
-    objective = objective + n * (moe.aux_loss_coef * aux_loss + moe.z_loss_coef * router_z)
-    aux = {"moe_aux_loss": aux_loss * n, "moe_z_loss": router_z * n, "moe_load": stats["load"],
-           "moe_dropped": jnp.sum(stats["dropped"]), "moe_assigned": jnp.sum(stats["assigned"])}
-    return objective, (ce, n, jax.tree.map(jax.lax.stop_gradient, aux))
+    term, report = routing.layer_terms(stats, n, model.cfg.moe, moe_layer_count(model.cfg))
+    return objective + term, (ce, n, routing.report_sums(report))
 
 
 # names a custom loss's aux entries may not take: the step's metrics and the loop's metrics.jsonl record
