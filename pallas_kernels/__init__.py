@@ -2,6 +2,8 @@
 
 * ``pallas_kernels.rope``: rotary embedding of q and k (positions, Llama-3.1 scaling), forward + backward.
 * ``pallas_kernels.swiglu``: ``silu(gate) * up``, forward + backward.
+* ``pallas_kernels.grouped_matmul``: ``gmm``, the grouped matmul of dropless MoE (``jax.lax.ragged_dot``'s
+  semantics), forward + backward.
 * ``pallas_kernels.flash_attention``: causal / sliding-window / packed-segment attention with GQA, forward +
   backward (Pallas Triton backend; ``backend="mosaic"``: Mosaic GPU kernels for Hopper: causal or full
   attention, segment ids, in ``flash_attention_mosaic`` and ``flash_attention_mosaic_bwd``).

@@ -3,6 +3,7 @@
     python scripts/bench_kernels.py [--seq 2048 4096 8192] [--batch 1] [--iters 20] [--packed] [--json]
     python scripts/bench_kernels.py --check            # numerics on the GPU against the references
     python scripts/bench_kernels.py --sweep --seq 4096 # flash attention block sizes / warps / stages
+    python scripts/bench_kernels.py --gmm [--tokens 8192] # MoE grouped matmul against ragged_dot
 
 Shapes: heads 32, kv heads 8, head_dim 128, bf16; MLP width 14336. Each case is timed forward and
 forward+backward (gradient of the sum w.r.t. every input) after a warm-up; the median of ``--iters`` runs.
@@ -18,7 +19,12 @@ kernels' outputs and gradients on random inputs (relative Frobenius error) with 
 inputs and cotangent (fp32 inside, rounded once to the input dtype: the tests' criterion, bound 2e-3 for bf16)
 and, as ``*_f32``, with the fp32 reference on the same values (which a bf16 result misses by ~1.6e-3 anyway).
 ``--sweep`` times flash attention's forward over launch settings, then its backward settings (forward
-fixed at the defaults), and prints the fastest. On a machine without a GPU it says so and exits 0.
+fixed at the defaults), and prints the fastest. ``--gmm`` times the grouped matmul (pallas_kernels.grouped_matmul)
+and jax.lax.ragged_dot (which XLA:GPU runs by default as a masked dense matmul, E times the FLOPs) at the expert
+shapes of Mixtral 8x7B (hidden 4096, expert width 14336, 8 experts, top-2) and Qwen3-30B-A3B (2048, 768, 128,
+top-8): ``--tokens`` tokens, so tokens * top-k rows with random loads, for the up (hidden -> width) and down
+(width -> hidden) projections; TFLOP/s count 2 * rows * K * N forward, 3x that for forward+backward.
+On a machine without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ def parse_args(argv=None):
                    help="attention implementations to time (mosaic: flash_attention(backend='mosaic'), Hopper; "
                         "mosaic-dqk: the same with its separate dq kernel, fuse_dq=False)")
     p.add_argument("--attention-only", action="store_true", help="skip the RoPE and SwiGLU kernels")
+    p.add_argument("--gmm", action="store_true", help="time only the MoE grouped matmul against ragged_dot")
+    p.add_argument("--tokens", type=int, default=8192, help="--gmm: tokens routed (rows = tokens * top-k)")
     return p.parse_args(argv)
 
 
@@ -146,6 +154,46 @@ def elementwise_cases(seq: int, batch: int, iters: int) -> list[dict]:
     return rows
 
 
+# name: (hidden, expert width, experts, top-k)
+GMM_MODELS = {"mixtral_8x7b": (4096, 14336, 8, 2), "qwen3_30b_a3b": (2048, 768, 128, 8)}
+
+
+def _gmm_problem(tokens: int, experts: int, top_k: int, seed: int = 0):
+    """Group sizes of tokens * top_k rows over the experts, with random (Dirichlet) loads."""
+    import jax.numpy as jnp
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    sizes = rng.multinomial(tokens * top_k, rng.dirichlet(np.full(experts, 4.0)))
+    return jnp.asarray(sizes, jnp.int32)
+
+
+def gmm_cases(tokens: int, iters: int, models=GMM_MODELS) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.grouped_matmul import gmm, gmm_reference
+
+    rows = []
+    for model, (hidden, width, experts, top_k) in models.items():
+        sizes = _gmm_problem(tokens, experts, top_k)
+        m = tokens * top_k
+        for proj, (k, n) in (("up", (hidden, width)), ("down", (width, hidden))):
+            keys = jax.random.split(jax.random.key(k), 2)
+            lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+            rhs = (jax.random.normal(keys[1], (experts, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+            for impl, f in (("pallas", lambda a, b: gmm(a, b, sizes)),
+                            ("ragged_dot", lambda a, b: gmm_reference(a, b, sizes))):
+                for mode, fn, flops in (("fwd", jax.jit(f), 2 * m * k * n),
+                                        ("fwd+bwd", _fwd_bwd(f, (0, 1)), 6 * m * k * n)):
+                    row = {"kernel": f"gmm {model} {proj}", "impl": impl, "mode": mode, "seq": tokens}
+                    try:
+                        s = _time(fn, lhs, rhs, iters=iters)
+                        row.update(ms=s * 1e3, tflops=flops / s / 1e12)
+                    except Exception as err:  # e.g. ragged_dot's [E, rows, N] dense product out of memory
+                        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+                    rows.append(row)
+    return rows
+
+
 def _rel(a, b) -> float:
     import numpy as np
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -157,6 +205,7 @@ def check_cases(seq: int, batch: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+    from pallas_kernels.grouped_matmul import gmm, gmm_reference
     from pallas_kernels.rope import apply_rope, rope_inv_freq, rope_reference
     from pallas_kernels.swiglu import swiglu, swiglu_reference
 
@@ -215,6 +264,10 @@ def check_cases(seq: int, batch: int) -> list[dict]:
         gate = jax.random.normal(ks[3], (batch * seq, 14336))
         upx = jax.random.normal(ks[4], (batch * seq, 14336))
         compare("swiglu", "", swiglu, swiglu_reference, [gate, upx], dtype)
+        sizes = _gmm_problem(seq, 8, 2)                   # Mixtral's routing, a narrower expert
+        xk, wk = jax.random.split(ks[5])
+        compare("gmm", "8 experts", lambda x, w: gmm(x, w, sizes), lambda x, w: gmm_reference(x, w, sizes),
+                [jax.random.normal(xk, (seq * 2, 4096)), jax.random.normal(wk, (8, 4096, 1024)) / 64], dtype)
     return rows
 
 
@@ -302,6 +355,11 @@ def main(argv=None) -> int:
     if not args.json:
         print(f"device: {jax.devices()[0].device_kind}; batch {args.batch}, bf16", flush=True)
     rows = []
+    if args.gmm:
+        rows = gmm_cases(args.tokens, args.iters)
+        print(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}) if args.json
+              else "\n".join(_format(r) for r in rows))
+        return 0
     for seq in args.seq:
         cases = [lambda: attention_cases(seq, args.batch, False, args.iters, args.impls)]
         if args.packed:
@@ -320,7 +378,9 @@ def main(argv=None) -> int:
 
 
 def _format(r: dict) -> str:
-    what = f"{r['kernel']:9s} {r['impl']:6s} {r['mode']:8s} seq {r['seq']:5d}" + (" packed" if r.get("packed") else "")
+    unit = "tokens" if r["kernel"].startswith("gmm") else "seq"
+    what = (f"{r['kernel']:9s} {r['impl']:10s} {r['mode']:8s} {unit} {r['seq']:5d}"
+            + (" packed" if r.get("packed") else ""))
     if "error" in r:
         return f"{what}  {r['error']}"
     if "tflops" in r:

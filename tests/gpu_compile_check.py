@@ -1,5 +1,6 @@
 """Compile with the real XLA:GPU compiler for an H100 (no GPU needed): the Pallas kernels forward and backward
-at Llama-3-8B shapes (bf16), and jaxtron's train step with every kernel on 2 GPUs (FSDP). Run as a script in
+at Llama-3-8B shapes (bf16; the grouped matmul at a Mixtral-like expert shape), and jaxtron's train step with
+every kernel on 2 GPUs (FSDP), and an MoE step with the grouped matmul. Run as a script in
 a fresh process (the test suite pins JAX to the CPU); prints one JSON line."""
 
 import json
@@ -17,6 +18,7 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from helpers import gpu_target  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
+from pallas_kernels.grouped_matmul import gmm  # noqa: E402
 from pallas_kernels.rope import apply_rope  # noqa: E402
 from pallas_kernels.swiglu import swiglu  # noqa: E402
 
@@ -74,6 +76,12 @@ def main() -> dict:
                                           argnums=(0, 1))(g, u)
     out["swiglu"] = _compile(mlp, x, x)
 
+    # Mixtral-like expert matmul: 4096 sorted (token, expert) rows, hidden 1024 -> ffn 2048, 8 experts.
+    def grouped(lhs, rhs, sizes):
+        f = lambda a, b: gmm(a, b, sizes, interpret=False).astype(jnp.float32).sum()
+        return jax.value_and_grad(f, argnums=(0, 1))(lhs, rhs)
+    out["gmm"] = _compile(grouped, spec((4096, 1024)), spec((8, 1024, 2048)), spec((8,), jnp.int32))
+
     from jaxtron import config as config_lib
     from jaxtron.train.aot import lower_train_step
     base = ["model.hidden_size=512", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
@@ -86,6 +94,11 @@ def main() -> dict:
     cfg = config_lib.load(None, base + ["model.attention_impl=mosaic", "data.reset_at_eod=false",
                                         "model.dtype=bfloat16"])
     out["train_step_mosaic"] = _compile_step(lower_train_step, cfg, topo.devices)
+    # A dropless MoE model (bf16) with the grouped-matmul kernel under FSDP.
+    cfg = config_lib.load(None, base + ["model.moe.num_experts=8", "model.moe.num_experts_per_token=2",
+                                        "model.moe.expert_intermediate_size=512", "model.moe.gmm_impl=pallas",
+                                        "model.dtype=bfloat16"])
+    out["train_step_moe"] = _compile_step(lower_train_step, cfg, topo.devices)
     return out
 
 

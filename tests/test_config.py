@@ -76,6 +76,7 @@ BAD = [
     (["model.attention_impl=pallas", "model.hidden_size=64", "model.num_heads=8"], "model.attention_impl"),
     (["model.rope_impl=pallas", "model.hidden_size=96", "model.num_heads=4"], "model.rope_impl"),
     (["model.check_kernels=maybe"], "model.check_kernels"),
+    (["model.moe.gmm_impl=triton"], "model.moe.gmm_impl"),
     # a valid bf16 mosaic config on the 8 CPU devices tests run with: the interpreter simulates one GPU
     (["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256", "model.num_heads=4",
       "model.num_kv_heads=2", "model.dtype=bfloat16"], "model.attention_impl"),

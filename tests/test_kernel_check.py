@@ -14,6 +14,7 @@ from jaxtron.train.kernel_check import KernelCheckError, check_kernels, needs_ch
 from tests.helpers import tiny_config
 
 ALL_PALLAS = ("model.attention_impl=pallas", "model.rope_impl=pallas", "model.mlp_impl=pallas")
+MOE_PALLAS = ("model.moe.num_experts=4", "model.moe.expert_intermediate_size=32", "model.moe.gmm_impl=pallas")
 
 
 def config(*overrides):
@@ -23,8 +24,9 @@ def config(*overrides):
 
 @pytest.mark.parametrize("dtype,bound", [("bfloat16", 1e-2), ("float32", 1e-5)])
 def test_pallas_kernels_pass(dtype, bound):
-    rows = check_kernels(config(*ALL_PALLAS), seq=128, dtype=dtype)
-    assert [r["case"] for r in rows] == ["attention causal", "attention packed documents", "rope", "swiglu"]
+    rows = check_kernels(config(*ALL_PALLAS, *MOE_PALLAS), seq=128, dtype=dtype)
+    assert [r["case"] for r in rows] == ["attention causal", "attention packed documents", "rope", "swiglu",
+                                         "grouped matmul"]
     for r in rows:
         assert set(r["errors"]) == ({"out", "d0", "d1", "d2"} if r["case"].startswith("attention")
                                     else {"out", "d0", "d1"})
@@ -62,9 +64,23 @@ def test_a_broken_attention_kernel_is_refused(monkeypatch, broken, expect):
     assert expect in str(err.value)
 
 
+def test_a_broken_grouped_matmul_is_refused(monkeypatch):
+    from jaxtron.model import kernels
+
+    wrong = lambda x, w, sizes: 1.1 * jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    monkeypatch.setattr(kernels, "gmm", wrong)
+    with pytest.raises(KernelCheckError) as err:
+        check_kernels(config(*MOE_PALLAS), seq=64, dtype="float32")
+    assert err.value.field == "model.moe.gmm_impl"
+    assert str(err.value).startswith("model.moe.gmm_impl: 'pallas': the grouped matmul kernel disagrees")
+    assert "Use model.moe.gmm_impl=ragged_dot," in str(err.value)
+
+
 def test_when_the_trainer_checks():
     assert needs_check(config("model.attention_impl=mosaic", "model.dtype=bfloat16"), "gpu")
     assert needs_check(config("model.mlp_impl=pallas"), "cuda")
+    assert needs_check(config(*MOE_PALLAS), "gpu")
+    assert not needs_check(config(*MOE_PALLAS[:2]), "gpu")                    # ragged_dot: XLA
     assert not needs_check(config("model.attention_impl=pallas"), "cpu")     # interpreted: exact
     assert not needs_check(config("model.attention_impl=cudnn"), "gpu")      # no Pallas kernel
     assert not needs_check(config("model.attention_impl=pallas", "model.check_kernels=false"), "gpu")

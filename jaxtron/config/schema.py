@@ -72,11 +72,15 @@ class MoEConfig:
                                    "averaged over the MoE layers.")
     z_loss_coef: float = _f(0.0, "Coefficient of the router z-loss mean(logsumexp(router logits)^2) added to the "
                                  "training loss (averaged over the MoE layers).")
-    dispatch: str = _f("dropless", "'dropless': tokens sorted by expert, grouped matmuls (jax.lax.ragged_dot), "
+    dispatch: str = _f("dropless", "'dropless': tokens sorted by expert, grouped matmuls (gmm_impl), "
                                    "none dropped; 'capacity': at most capacity_factor * tokens * k / experts "
                                    "tokens per expert, the rest dropped (their residual passes through), dense "
                                    "per-expert matmuls.")
     capacity_factor: float = _f(1.25, "capacity dispatch: expert capacity as a multiple of the balanced load.")
+    gmm_impl: str = _f("ragged_dot", "dropless dispatch's grouped matmuls: 'ragged_dot' (jax.lax.ragged_dot; XLA:GPU "
+                                     "runs it by default as a masked dense matmul, E times the FLOPs) or 'pallas' "
+                                     "(pallas_kernels.grouped_matmul, Triton; interpret mode on CPU: exact but "
+                                     "slow).")
 
 
 @dataclass

@@ -19,6 +19,7 @@ SCHEDULES = ("cosine", "linear", "wsd", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_SCORE_FUNCS = ("softmax", "sigmoid")
 MOE_DISPATCH = ("dropless", "capacity")
+MOE_GMM_IMPLS = ("ragged_dot", "pallas")
 
 
 def check(cond: bool, field_name: str, message: str) -> None:
@@ -83,6 +84,7 @@ def _validate_model(cfg: Config) -> None:
 def _validate_moe(cfg: Config) -> None:
     e, m = cfg.model.moe, cfg.model
     check(e.num_experts >= 0, "model.moe.num_experts", f"must be >= 0 (0: dense), got {e.num_experts}")
+    _one_of(cfg, "model.moe.gmm_impl", MOE_GMM_IMPLS)
     if e.num_experts == 0:
         return
     _positive(cfg, "model.moe.num_experts_per_token", "model.moe.expert_intermediate_size", "model.moe.layer_freq",
@@ -101,6 +103,9 @@ def _validate_moe(cfg: Config) -> None:
           f"model.moe.first_dense_layers (the MoE layers are scanned in groups of layer_freq)")
     _one_of(cfg, "model.moe.score_func", MOE_SCORE_FUNCS)
     _one_of(cfg, "model.moe.dispatch", MOE_DISPATCH)
+    check(e.gmm_impl == "ragged_dot" or e.dispatch == "dropless", "model.moe.gmm_impl",
+          f"{e.gmm_impl!r} is the grouped matmul of dropless dispatch; model.moe.dispatch=capacity runs dense "
+          "einsums (use gmm_impl=ragged_dot)")
     check(e.num_experts % e.n_group == 0, "model.moe.n_group",
           f"{e.n_group} groups do not divide model.moe.num_experts={e.num_experts}")
     check(e.topk_group <= e.n_group, "model.moe.topk_group", f"{e.topk_group} > model.moe.n_group={e.n_group}")

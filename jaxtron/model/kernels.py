@@ -1,8 +1,8 @@
-"""The one door from jaxtron to ``pallas_kernels``: the kernels the model runs (flash attention, fused RoPE,
-SwiGLU), each per shard under the mesh, and :func:`check`, what config validation and the Layout ask about
-them (head dims, dtypes, platforms, the Mosaic interpreter's limits). No other jaxtron module imports
-``pallas_kernels``; ``pallas_kernels`` is imported here only when a kernel is used or checked, so validating
-a config that selects none imports no JAX."""
+"""The one door from jaxtron to ``pallas_kernels``: the kernels the model runs (flash attention, fused RoPE and
+SwiGLU, each per shard under the mesh; the MoE grouped matmul), and :func:`check`, what config validation and
+the Layout ask about them (head dims, dtypes, platforms, the Mosaic interpreter's limits). No other jaxtron
+module imports ``pallas_kernels``; ``pallas_kernels`` is imported here only when a kernel is used or checked,
+so validating a config that selects none imports no JAX."""
 
 from __future__ import annotations
 
@@ -56,6 +56,20 @@ def swiglu(gate, up):
     return per_shard(functools.partial(fused_swiglu, interpret=kernel_interpret()), (names, names), names)(gate, up)
 
 
+def gmm(lhs, rhs, group_sizes):
+    """The grouped matmul of dropless MoE dispatch (``pallas_kernels.grouped_matmul.gmm``), fp32 output: rows
+    of lhs sorted by group, group g multiplied by rhs[g]. Not per shard: dropless dispatch sorts the (token,
+    expert) assignments of the whole batch, so under a mesh every device holds all the sorted rows (with
+    ragged_dot too), and XLA runs the kernel on whole, gathered operands on each device. That is exact but not
+    split across devices; splitting the dispatch is expert parallelism's work."""
+    import jax.numpy as jnp
+    from pallas_kernels.grouped_matmul import gmm as grouped_matmul
+
+    from jaxtron.parallel.sharding import kernel_interpret
+
+    return grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, interpret=kernel_interpret())
+
+
 def _check(cond, field, msg):
     if not cond:
         raise ConfigError(field, msg)
@@ -92,8 +106,9 @@ def check(cfg, platform: Optional[str] = None, *, num_devices: int = 1, micro_ba
     if m.attention_impl == "cudnn":
         _check(platform in ("gpu", "cuda"), "model.attention_impl",
                f"'cudnn' needs an NVIDIA GPU; the devices here are {platform!r} (use model.attention_impl=xla)")
-    for name in ("attention_impl", "rope_impl", "mlp_impl"):
-        _check(getattr(m, name) != "pallas" or platform in ("gpu", "cuda", "cpu"), f"model.{name}",
+    for name in ("attention_impl", "rope_impl", "mlp_impl", "moe.gmm_impl"):
+        impl = functools.reduce(getattr, name.split("."), m)
+        _check(impl != "pallas" or platform in ("gpu", "cuda", "cpu"), f"model.{name}",
                f"'pallas' kernels are Triton (NVIDIA GPU; interpret mode on CPU), not {platform!r}")
     if m.attention_impl != "mosaic":
         return

@@ -11,10 +11,11 @@ the next issue).
 Dispatch (``model.moe.dispatch``):
 
 - ``dropless``: the T*k (token, expert) assignments are sorted by expert, the tokens gathered in that order and
-  run through grouped matmuls (``jax.lax.ragged_dot``: group e is the next ``load[e]`` rows, multiplied by
-  expert e's weights), then unsorted and combined with the routing weights. No token is dropped. (XLA:CPU and,
-  without the ragged-dot fusion flag, XLA:GPU lower ragged_dot to a masked dense matmul: exact, E times the
-  FLOPs; a grouped-GEMM kernel is the fast path, not built here.)
+  run through grouped matmuls (group e is the next ``load[e]`` rows, multiplied by expert e's weights), then
+  unsorted and combined with the routing weights. No token is dropped. The grouped matmuls are
+  ``model.moe.gmm_impl``: ``jax.lax.ragged_dot`` (XLA:CPU and, without the ragged-dot fusion flag, XLA:GPU
+  lower it to a masked dense matmul: exact, E times the FLOPs) or the Pallas grouped-GEMM kernel
+  (``pallas_kernels.grouped_matmul``, through ``jaxtron.model.kernels``).
 - ``capacity``: each expert takes at most C = ceil(capacity_factor * T * k / E) assignments, first choices
   before second choices (Switch/GShard priority: all tokens' top-1, then top-2, ... each in token order);
   the rest are dropped, i.e. contribute nothing, so the residual stream carries the token past the layer. The
@@ -41,7 +42,16 @@ def _swiglu_experts(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
     return jax.nn.silu(h_gate) * h_up
 
 
-def dropless(x, r: routing.Routing, w_gate, w_up, w_down):
+def _grouped_matmul(gmm_impl: str):
+    """(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> fp32 [M, N], by ``model.moe.gmm_impl``."""
+    if gmm_impl == "pallas":
+        from jaxtron.model import kernels
+
+        return kernels.gmm
+    return lambda a, w, sizes: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
+
+
+def dropless(x, r: routing.Routing, w_gate, w_up, w_down, gmm_impl: str = "ragged_dot"):
     """x: [T, D]; experts/weights: [T, k]; weights [E, D, F], [E, F, D] -> [T, D]."""
     t, k = r.experts.shape
     num_experts = w_gate.shape[0]
@@ -49,7 +59,8 @@ def dropless(x, r: routing.Routing, w_gate, w_up, w_down):
     order = jnp.argsort(flat, stable=True)                         # assignments grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)                           # [T*k, D] in expert order
-    dot = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32).astype(a.dtype)
+    grouped = _grouped_matmul(gmm_impl)
+    dot = lambda a, w: grouped(a, w, group_sizes).astype(a.dtype)
     ys = dot(_swiglu_experts(dot(xs, w_gate), dot(xs, w_up)), w_down)
     y = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # back to token order
     combined = jnp.sum(y.astype(jnp.float32) * r.weights[..., None], axis=1)
@@ -114,7 +125,7 @@ class MoE(nnx.Module):
         if self.moe.dispatch == "capacity":
             y, dropped = capacity_dispatch(tokens, r, *w, self.moe.capacity_factor)
         else:
-            y, dropped = dropless(tokens, r, *w)
+            y, dropped = dropless(tokens, r, *w, gmm_impl=self.moe.gmm_impl)
         y = y.reshape(b, s, d)
         if self.moe.num_shared_experts:
             shared = self.shared(x)

@@ -4,11 +4,12 @@ The kernels are tested in interpret mode on CPU and compiled for an H100 without
 be wrong on a particular GPU, driver or JAX version (Mosaic GPU's register operands and in-place accumulators
 have no interpreter at all). A wrong attention gradient does not crash: the loss just drifts. So before a run
 compiles its train step on GPUs, :func:`check_kernels` runs each selected kernel (``model.attention_impl``
-'pallas' or 'mosaic', ``model.rope_impl`` / ``model.mlp_impl`` 'pallas') forward and backward on a small
-problem with the model's head layout and compute dtype, and compares the output and every gradient with the
-XLA implementation computed in fp32 from the same inputs. A relative error (L2 norm of the difference over the
-reference's) above :data:`TOLERANCE` raises :class:`KernelCheckError` naming the config field. bf16 kernels
-that work sit near 2e-3 to 5e-3 (1e-7 in fp32); a broken one is off by order 0.1 to 1.
+'pallas' or 'mosaic', ``model.rope_impl`` / ``model.mlp_impl`` / ``model.moe.gmm_impl`` 'pallas') forward and
+backward on a small problem with the model's head layout (expert count) and compute dtype, and compares the
+output and every gradient with the XLA implementation computed in fp32 from the same inputs. A relative error
+(L2 norm of the difference over the reference's) above :data:`TOLERANCE` raises :class:`KernelCheckError`
+naming the config field. bf16 kernels that work sit near 2e-3 to 5e-3 (1e-7 in fp32); a broken one is off by
+order 0.1 to 1.
 
 ``model.check_kernels=false`` skips it. It costs one small compile per kernel, seconds on a GPU. On CPU the
 kernels run interpreted (exact by construction) and the trainer does not call it.
@@ -16,6 +17,7 @@ kernels run interpreted (exact by construction) and the trainer does not call it
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Optional
 
@@ -114,17 +116,35 @@ def _swiglu_case(cfg: Config, seq: int):
     return "swiglu", "model.mlp_impl", pallas_swiglu, lambda g, u: jax.nn.silu(g) * u, [gate, up]
 
 
+def _gmm_case(cfg: Config, seq: int):
+    from jaxtron.model.kernels import gmm
+
+    e = cfg.model.moe
+    rows, k, n = seq * e.num_experts_per_token, min(cfg.model.hidden_size, 512), min(e.expert_intermediate_size, 512)
+    # Uneven loads with one idle expert, so group boundaries fall inside the kernel's row tiles.
+    rng = np.random.default_rng(4)
+    share = rng.dirichlet(np.ones(e.num_experts))
+    share[-1] = 0.0 if e.num_experts > 1 else share[-1]
+    sizes = jnp.asarray(rng.multinomial(rows, share / share.sum()), jnp.int32)
+    ks = jax.random.split(jax.random.key(5), 2)
+    x, w = jax.random.normal(ks[0], (rows, k)), jax.random.normal(ks[1], (e.num_experts, k, n)) * k ** -0.5
+    return ("grouped matmul", "model.moe.gmm_impl", lambda x, w: gmm(x, w, sizes),
+            lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32), [x, w])
+
+
 def selected_kernels(cfg: Config) -> list[str]:
     """The config fields that select a Pallas or Mosaic kernel."""
     m = cfg.model
     fields = ["model.attention_impl"] if m.attention_impl in ("pallas", "mosaic") else []
-    return fields + [f"model.{f}" for f in ("rope_impl", "mlp_impl") if getattr(m, f) == "pallas"]
+    fields += [f"model.{f}" for f in ("rope_impl", "mlp_impl") if getattr(m, f) == "pallas"]
+    return fields + (["model.moe.gmm_impl"] if m.moe.num_experts and m.moe.gmm_impl == "pallas" else [])
 
 
 def kernel_cases(cfg: Config, seq: int = 512):
     """(name, config field, kernel, reference, inputs) for every Pallas kernel cfg selects."""
     build = {"model.attention_impl": lambda: _attention_cases(cfg, seq),
-             "model.rope_impl": lambda: [_rope_case(cfg, seq)], "model.mlp_impl": lambda: [_swiglu_case(cfg, seq)]}
+             "model.rope_impl": lambda: [_rope_case(cfg, seq)], "model.mlp_impl": lambda: [_swiglu_case(cfg, seq)],
+             "model.moe.gmm_impl": lambda: [_gmm_case(cfg, seq)]}
     for field in selected_kernels(cfg):
         yield from build[field]()
 
@@ -143,7 +163,7 @@ def check_kernels(cfg: Config, seq: int = 512, tolerance: float = TOLERANCE,
     dtype = jnp.dtype(dtype or config_lib.compute_dtype(cfg.model))
     rows = []
     for name, field, kernel, reference, args in kernel_cases(cfg, seq):
-        value = getattr(cfg.model, field.split(".")[1])
+        value = functools.reduce(getattr, field.split(".")[1:], cfg.model)
         try:
             errors = _errors(kernel, reference, args, dtype)
         except Exception as err:  # a kernel that does not compile or run here: say which, and why
@@ -155,10 +175,10 @@ def check_kernels(cfg: Config, seq: int = 512, tolerance: float = TOLERANCE,
                  errors[worst], worst)
         if not errors[worst] <= tolerance:
             detail = ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+            xla = "ragged_dot" if field == "model.moe.gmm_impl" else "xla (or cudnn for attention)"
             raise KernelCheckError(
                 field, f"{value!r}: the {name} kernel disagrees with the XLA reference on "
                        f"{jax.devices()[0].device_kind} ({dtype.name}; relative errors {detail}; tolerance "
-                       f"{tolerance:g}). Use {field}=xla (or cudnn for attention), or model.check_kernels=false "
-                       f"to train anyway")
+                       f"{tolerance:g}). Use {field}={xla}, or model.check_kernels=false to train anyway")
         rows.append({"case": name, "field": field, "errors": errors})
     return rows
