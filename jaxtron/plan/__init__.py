@@ -153,9 +153,10 @@ def check_moe_gemm(moe_gemm: str) -> None:
 
 
 MOE_GEMM_NOTES = {
-    "as_compiled": "MoE: the roofline runs the routed experts as compiled: jax.lax.ragged_dot lowered by XLA:GPU "
-                   "to a group-masked dense matmul (E x a grouped GEMM's FLOPs, counted in the optimized HLO) "
-                   "over the rows GSPMD gives each device (the dropless sort gathers the global micro batch)",
+    "as_compiled": "MoE: the roofline runs the routed experts as compiled, their FLOPs counted in the optimized "
+                   "HLO: dropless jax.lax.ragged_dot is lowered by XLA to a group-masked dense matmul (E x a "
+                   "grouped GEMM's FLOPs), capacity dispatch to dense einsums over the capacity slots, both on "
+                   "the rows GSPMD gives each device (the dispatch gathers the global micro batch)",
     "grouped": "MoE: the roofline assumes a grouped-GEMM kernel over a dispatch that keeps tokens on their "
                "device (neither is built: jaxtron compiles ragged_dot's masked dense fallback): the routed "
                "experts execute their active FLOPs only and the dispatch's collectives over the batch axes "

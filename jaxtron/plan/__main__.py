@@ -102,8 +102,8 @@ def _print_plan(r: dict) -> None:
 
 def _print_params_and_moe(r: dict) -> None:
     p, moe = r["params"], r["moe"]
-    print(f"\nparameters {p['total'] / 1e9:.3f}B (every expert)"
-          + (f", {p['active_per_token'] / 1e9:.3f}B active per token" if moe else ""))
+    print(f"\nparameters {p['total'] / 1e9:.3f}B"
+          + (f" (every expert), {p['active_per_token'] / 1e9:.3f}B active per token" if moe else ""))
     if not moe:
         return
     ef = moe["expert_matmul_flops_per_device"]

@@ -15,9 +15,8 @@ candidates before compiling):
 * ``capacity`` runs dense einsums over ``E x C`` slots, ``C = ceil(capacity_factor x T x k / E)`` with T the
   tokens of the global micro batch (gathered the same way): ``capacity_factor`` times the active FLOPs.
 
-A grouped-GEMM kernel over a dispatch that keeps each device's tokens local (not built: expert parallelism and
-the grouped GEMM are the next issues) would execute the active FLOPs, split like the rest of the model:
-Megatron's MoE count (:func:`jaxtron.train.flops.moe_ffn_flops`).
+A grouped-GEMM kernel over a dispatch that keeps each device's tokens local (neither is built) would execute
+the active FLOPs, split like the rest of the model: Megatron's MoE count (:func:`jaxtron.train.flops.moe_ffn_flops`).
 """
 
 from __future__ import annotations
