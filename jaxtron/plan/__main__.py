@@ -100,10 +100,14 @@ def _print_plan(r: dict) -> None:
         print(f"note: {n}")
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def _print_params_and_moe(r: dict) -> None:
     p, moe = r["params"], r["moe"]
-    print(f"\nparameters {p['total'] / 1e9:.3f}B"
-          + (f" (every expert), {p['active_per_token'] / 1e9:.3f}B active per token" if moe else ""))
+    print(f"\nparameters {_count(p['total'])}"
+          + (f" (every expert), {_count(p['active_per_token'])} active per token" if moe else ""))
     if not moe:
         return
     ef = moe["expert_matmul_flops_per_device"]
