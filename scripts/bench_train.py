@@ -6,6 +6,9 @@
 ``--cpu-devices N`` appends ``--xla_force_host_platform_device_count=N`` to XLA_FLAGS before jax is imported.
 The batch is random tokens with the keys and dtypes of the built-in corpus; the same batch is fed every step.
 The timed window dispatches ``--steps`` steps back to back and blocks once, at its end.
+TFLOP/s and MFU use Megatron's FLOPs per token (``jaxtron.train.flops``); for MoE models that counts the active
+parameters (the top-k routed and the shared experts), not every expert, nor the extra work of a fallback that
+runs every expert on every token (ragged_dot on CPU).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
         return 2
 
     import jax
+    from jaxtron.plan.model import param_count
     from jaxtron.train.flops import flops_per_token
     from jaxtron.train.loop import Trainer, put_batch
 
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
                       "virtual_stages": cfg.parallel.virtual_stages, "bubble": run.layout.bubble}
                      if run.layout.stages > 1 else None),
         "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(state["params"]))),
+        "active_params": param_count(cfg.model, active=True), "moe_experts": cfg.model.moe.num_experts,
+        "flops_per_token_full": flops_per_token(cfg.model, seq, "full"),
         "compile_s": compile_s, "warmup_steps": args.warmup, "timed_steps": args.steps,
         "step_s": step_s, "step_s_median": step_s_median, "tokens_per_s": tps, "tokens_per_s_per_device": tps / n,
         "final_loss": float(metrics["loss"]),
@@ -124,7 +130,9 @@ def main(argv=None) -> int:
         return 0
     mesh = " x ".join(f"{a} {s}" for a, s in out["mesh"].items() if s > 1) or "1 device"
     print(f"devices      {n} x {out['device_kind']} ({out['platform']}); mesh {mesh}")
-    print(f"model        {out['params'] / 1e6:.2f}M params, dtype {out['dtype']}, remat {out['remat']}; "
+    active = (f" ({out['active_params'] / 1e6:.2f}M active per token, top-{cfg.model.moe.num_experts_per_token} of "
+              f"{out['moe_experts']} experts: FLOPs count these)" if out["moe_experts"] else "")
+    print(f"model        {out['params'] / 1e6:.2f}M params{active}, dtype {out['dtype']}, remat {out['remat']}; "
           f"batch {t.global_batch_size} x {seq}, accumulation {out['accumulation_steps']}")
     if out["pipeline"]:
         pp = out["pipeline"]

@@ -17,6 +17,7 @@ from jaxtron.parallel.layout import Layout
 from jaxtron import config as config_lib
 from jaxtron.plan import get_gpu, hlo, plan, search
 from jaxtron.plan import model as pm
+from jaxtron.plan import moe as pmoe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=4",
@@ -281,3 +282,95 @@ def test_xla_gpu_llama3_8b_replicated_does_not_fit():
     assert r["compiler"] == "XLA:GPU" and not mem["fits"]
     # 16 bytes per parameter replicated (fp32 params + AdamW moments) is already more than 80 GB
     assert mem["arguments"] > mem["device_memory"] and mem["peak"] > mem["usable"]
+
+
+# ------------------------------------------------------------------------------------------------- MoE
+
+# Three layers: one dense, two MoE (4 experts of width 32, top-2, one shared expert of width 48).
+MOE = ["model.hidden_size=64", "model.num_layers=3", "model.num_heads=4", "model.num_kv_heads=2",
+       "model.intermediate_size=128", "model.vocab_size=256", "model.dtype=bfloat16", "data.seq_len=32",
+       "train.global_batch_size=16", "model.moe.num_experts=4", "model.moe.num_experts_per_token=2",
+       "model.moe.expert_intermediate_size=32", "model.moe.first_dense_layers=1",
+       "model.moe.num_shared_experts=1", "model.moe.shared_expert_intermediate_size=48"]
+MOE_LAYOUT = ("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2")
+
+
+def _moe_by_hand():
+    """(all parameters, active parameters, training FLOPs per token) of MOE, counted here term by term."""
+    d, heads, kv, hd, ffn, vocab, seq = 64, 4, 2, 16, 128, 256, 32
+    experts, k, width, shared = 4, 2, 32, 48
+    attn = d * heads * hd + 2 * d * kv * hd + heads * hd * d     # q, k and v, o
+    norms = 2 * d
+    dense_layer = attn + 3 * d * ffn + norms
+    moe_layer = lambda n: attn + d * experts + n * 3 * d * width + 3 * d * shared + norms   # router, n experts
+    outside = 2 * vocab * d + d                                  # untied embeddings and head, final norm
+    params = outside + dense_layer + 2 * moe_layer(experts)
+    active = outside + dense_layer + 2 * moe_layer(k)
+    attn_flops = 2 * d * (heads + 2 * kv) * hd + 2 * 2 * seq * heads * hd + 2 * heads * hd * d
+    moe_flops = 2 * d * experts + 2 * 3 * d * width * k + 2 * 3 * d * shared
+    flops = 3 * (3 * attn_flops + 2 * 3 * d * ffn + 2 * moe_flops + 2 * d * vocab)
+    return params, active, flops
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", pytest.param("capacity", marks=pytest.mark.slow)])
+def test_moe_plan_counts_every_expert_in_memory_and_active_ones_in_flops(dispatch):
+    cfg = config_lib.load(None, MOE + list(MOE_LAYOUT) + [f"model.moe.dispatch={dispatch}"])
+    r = _cpu_plan(cfg)
+    params, active, flops = _moe_by_hand()
+    assert (params, active) == (162752, 138176) and flops == 801792
+    assert r["params"] == {"total": params, "closed_form": params, "active_per_token": active}
+    # fp32, every expert, split over fsdp x tensor (norms and the router's expert axis are not: 1% more)
+    assert r["memory"]["params"] == pytest.approx(4 * params / 4, rel=0.02)
+    assert r["flops"]["model_flops_per_token"] == flops
+    assert r["roofline"]["model_flops_per_step"] == flops * 16 * 32
+    # the routed experts as compiled: the closed form of jaxtron/plan/moe.py against the HLO's own dots
+    layout = Layout.planned(cfg, 8)
+    moe = r["moe"]
+    executed = moe["expert_matmul_flops_per_device"]["as_compiled_hlo"]
+    assert executed == pytest.approx(pmoe.expert_flops_per_device(cfg, layout, "as_compiled"), rel=0.01)
+    grouped = moe["expert_matmul_flops_per_device"]["grouped"]
+    assert grouped == 3 * 2 * (2 * 3 * 64 * 32 * 2) * 16 * 32 / 8  # 2 layers, top-2, tokens per device
+    # dropless: every row times all 4 experts, on the rows of both data shards; capacity: 1.25 x the slots
+    assert executed / grouped == pytest.approx(4 * 2 if dispatch == "dropless" else 1.25 * 2, rel=0.01)
+    assert moe["gemm"] == "as_compiled" and moe["alternative"]["gemm"] == "grouped"
+    assert moe["alternative"]["step_time_s"] < r["roofline"]["step_time_s"]
+    assert any("masked dense matmul" in n for n in r["notes"])
+
+
+def test_moe_search_splits_tensor_only_where_the_experts_divide():
+    from jaxtron.plan import candidate_configs
+
+    cfg = config_lib.load(None, MOE + ["model.num_kv_heads=4", "model.moe.expert_intermediate_size=36",
+                                       "model.moe.shared_expert_intermediate_size=36"])
+    assert {c.parallel.tensor for c in candidate_configs(cfg, 8)} == {1, 2, 4}  # 36 % 8 != 0
+
+
+def test_moe_search_recommends_a_layout_that_fits():
+    cfg = config_lib.load(None, MOE)
+    out = search(cfg, get_gpu("h100"), 8, devices=jax.devices()[:8], max_compiles=1, top=1, moe_gemm="grouped")
+    assert len(out["top"]) == 1 and out["top"][0]["memory"]["fits"]
+    assert out["top"][0]["roofline"]["moe_gemm"] == "grouped"
+
+
+def test_moe_gemm_must_be_known():
+    with pytest.raises(ValueError, match=r"^--moe-gemm: must be one of as_compiled, grouped, got 'dense'$"):
+        plan(_cfg(), get_gpu("h100"), 8, devices=jax.devices()[:8], moe_gemm="dense")
+
+
+@needs_xla_gpu
+def test_xla_gpu_lowers_ragged_dot_to_a_masked_dense_matmul():
+    r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, *MOE_LAYOUT)
+    assert r["compiler"] == "XLA:GPU" and r["params"]["total"] == _moe_by_hand()[0]
+    flops = r["moe"]["expert_matmul_flops_per_device"]
+    assert flops["as_compiled_hlo"] == pytest.approx(4 * 2 * flops["grouped"], rel=0.01)  # E x, both data shards
+
+
+@pytest.mark.slow
+@needs_xla_gpu
+def test_xla_gpu_mixtral_8x7b_fits_on_16_h100():
+    r = _cli("--config", "mixtral_8x7b", "--gpu", "h100", "--num-gpus", "16", "parallel.fsdp=2", "parallel.tensor=8")
+    assert r["compiler"] == "XLA:GPU" and r["nodes"] == 2 and r["memory"]["fits"], r["memory"]
+    cfg = config_lib.load("mixtral_8x7b")
+    assert r["params"]["total"] == pm.param_count(cfg.model) and 46.6e9 < r["params"]["total"] < 46.8e9
+    assert 12.8e9 < r["params"]["active_per_token"] < 13.0e9
+    assert r["memory"]["params"] == pytest.approx(4 * r["params"]["total"] / 16, rel=0.01)  # all experts

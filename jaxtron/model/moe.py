@@ -120,12 +120,15 @@ class MoE(nnx.Module):
         dt = x.dtype
         tokens = x.reshape(b * s, d)
         bias = self.expert_bias[...] if self.moe.aux_free_bias else None
-        r = routing.route(tokens, self.router[...], self.moe, bias)
+        # The scopes name these ops in the compiled HLO, where the planner (jaxtron/plan/moe.py) finds them.
+        with jax.named_scope("moe_router"):
+            r = routing.route(tokens, self.router[...], self.moe, bias)
         w = [p[...].astype(dt) for p in (self.w_gate, self.w_up, self.w_down)]
-        if self.moe.dispatch == "capacity":
-            y, dropped = capacity_dispatch(tokens, r, *w, self.moe.capacity_factor)
-        else:
-            y, dropped = dropless(tokens, r, *w, gmm_impl=self.moe.gmm_impl)
+        with jax.named_scope("moe_experts"):
+            if self.moe.dispatch == "capacity":
+                y, dropped = capacity_dispatch(tokens, r, *w, self.moe.capacity_factor)
+            else:
+                y, dropped = dropless(tokens, r, *w, gmm_impl=self.moe.gmm_impl)
         y = y.reshape(b, s, d)
         if self.moe.num_shared_experts:
             shared = self.shared(x)

@@ -30,6 +30,7 @@ from jaxtron.config import Config
 from jaxtron.parallel.layout import Layout
 from jaxtron.plan import hlo
 from jaxtron.plan import model as pm
+from jaxtron.plan import moe as pmoe
 from jaxtron.plan.gpus import GPUS, GpuSpec, get_gpu
 
 __all__ = ["plan", "search", "target_devices", "CompilerUnavailable", "prepare_config", "GpuSpec", "GPUS", "get_gpu"]
@@ -126,12 +127,58 @@ def _shard_bytes(tree) -> float:
     return total
 
 
+# XLA:GPU rewrites large sorts (the MoE dispatch's argsort) into CUB radix sorts, whose scratch size it asks the
+# CUDA runtime for at compile time; without CUDA libraries that fails, so the planner compiles XLA's own sort.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+SORT_NOTE = ("sorts compiled with XLA's sort kernel instead of CUB radix sort (CUB needs the CUDA runtime at "
+             "compile time): the MoE dispatch's argsort scratch may differ slightly on the cluster")
+
+
 def compile_step(cfg: Config, devices: Sequence):
     """(compiled, abstract state spec, layout): the same program as ``jaxtron.train.aot``."""
     from jaxtron.train.aot import lower_train_step_with_spec
 
     lowered, spec, layout = lower_train_step_with_spec(cfg, list(devices))
-    return lowered.compile(), spec, layout
+    gpu = devices[0].platform in ("gpu", "cuda")
+    return lowered.compile(compiler_options=GPU_COMPILER_OPTIONS if gpu else None), spec, layout
+
+
+def _count(tree) -> int:
+    return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(tree)))
+
+
+def check_moe_gemm(moe_gemm: str) -> None:
+    if moe_gemm not in pmoe.GEMMS:
+        raise ValueError(f"--moe-gemm: must be one of {', '.join(pmoe.GEMMS)}, got {moe_gemm!r}")
+
+
+MOE_GEMM_NOTES = {
+    "as_compiled": "MoE: the roofline runs the routed experts as compiled, their FLOPs counted in the optimized "
+                   "HLO: dropless jax.lax.ragged_dot is lowered by XLA to a group-masked dense matmul (E x a "
+                   "grouped GEMM's FLOPs), capacity dispatch to dense einsums over the capacity slots, both on "
+                   "the rows GSPMD gives each device (the dispatch gathers the global micro batch)",
+    "grouped": "MoE: the roofline assumes a grouped-GEMM kernel over a dispatch that keeps tokens on their "
+               "device (neither is built: jaxtron compiles ragged_dot's masked dense fallback): the routed "
+               "experts execute their active FLOPs only and the dispatch's collectives over the batch axes "
+               "are left out; memory is still the compiled program's",
+}
+
+
+def moe_section(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gemm: str, expert_flops) -> dict:
+    """The MoE part of a plan: which GEMM the roofline assumes, the routed experts' executed FLOPs, and the
+    prediction under the other assumption."""
+    other = "grouped" if moe_gemm == "as_compiled" else "as_compiled"
+    alt = pm.roofline(cfg, layout, gpu, ops, layout.num_devices, node_of, other, expert_flops)
+    e = cfg.model.moe
+    return {
+        "gemm": moe_gemm, "assumption": MOE_GEMM_NOTES[moe_gemm],
+        "experts": e.num_experts, "top_k": e.num_experts_per_token, "dispatch": e.dispatch,
+        "moe_layers": pm.moe_layer_count(cfg.model),
+        "expert_matmul_flops_per_device": {"as_compiled_hlo": expert_flops,
+                                           "grouped": pmoe.expert_flops_per_device(cfg, layout, "grouped")},
+        "alternative": {"gemm": other, **{k: alt[k] for k in ("step_time_s", "tokens_per_s_per_gpu", "mfu",
+                                                               "mfu_causal")}},
+    }
 
 
 def layout_overrides(cfg: Config) -> str:
@@ -143,10 +190,48 @@ def layout_overrides(cfg: Config) -> str:
             f"model.remat={m.remat}")
 
 
+def memory_report(mem, spec, gpu: GpuSpec, backend: str) -> dict:
+    """Per-device bytes from the compiler's memory analysis, with the state's share and the fit verdict."""
+    params_b = _shard_bytes(spec.abstract_state["params"])
+    grads_b = params_b  # gradients have the params' shapes, dtype and sharding (they live in temp)
+    arg, out, alias, temp = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+                             mem.temp_size_in_bytes)
+    peak_ma = getattr(mem, "peak_memory_in_bytes", 0) or 0
+    peak = peak_ma if backend == "gpu" and peak_ma > 0 else arg + temp + max(0, out - alias)
+    usable = gpu.usable_bytes
+    return {
+        "params": params_b, "optimizer": _shard_bytes(spec.abstract_state["opt_state"]), "grads": grads_b,
+        "activations_and_temp": max(0.0, temp - grads_b), "temp": temp, "arguments": arg, "outputs": out,
+        "aliased": alias, "peak": peak, "peak_from": "memory_analysis.peak_memory_in_bytes" if peak == peak_ma
+        else "arguments + temp + unaliased outputs",
+        "device_memory": gpu.memory_bytes, "usable": usable, "mem_fraction": gpu.mem_fraction,
+        "fits": peak <= usable, "headroom": usable - peak,
+    }
+
+
+def flops_report(cfg: Config, roof: dict, hlo_matmul_flops: float, num_devices: int) -> dict:
+    m, s = cfg.model, cfg.data.seq_len
+    return {
+        "model_flops_per_token": pm.flops_per_token(m, s, "full"),
+        "model_flops_per_token_causal": pm.flops_per_token(m, s, "causal"),
+        "matmul_flops_per_device_hlo": hlo_matmul_flops,
+        "model_flops_per_step": roof["model_flops_per_step"],
+        "model_flops_per_step_causal": roof["model_flops_per_step_causal"],
+        "model_flops_per_device": roof["model_flops_per_step"] / num_devices,
+        "hardware_flops_per_device": roof["hardware_flops_per_device"],
+        "convention": "Megatron num_floating_point_operations (matmuls only, 3x forward; MoE: the top-k routed "
+                      "and the shared experts, plus the router); 'full' counts the causal attention s^2 term "
+                      "whole (Megatron's published tables), 'causal' halves it (Megatron's code today; what a "
+                      "causal flash kernel executes)",
+    }
+
+
 def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices: Optional[Sequence] = None,
-         keep_hlo: bool = False) -> dict:
+         keep_hlo: bool = False, moe_gemm: str = "as_compiled") -> dict:
     """Compile ``cfg`` for ``num_gpus`` GPUs of kind ``gpu`` and report memory, FLOPs, communication and the
-    roofline prediction. All byte figures are per device."""
+    roofline prediction. All byte figures are per device. MoE: ``moe_gemm`` says how the roofline runs the
+    routed experts (``as_compiled`` or ``grouped``, :data:`MOE_GEMM_NOTES`); the report has the other too."""
+    check_moe_gemm(moe_gemm)
     notes: list[str] = []
     if devices is None:
         devices, backend, dev_notes = target_devices(gpu, num_gpus, backend)
@@ -155,28 +240,22 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         backend = "gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"
     if cfg.parallel.stage != 1:
         raise config_lib.ConfigError("parallel.stage", PIPELINE_NOTE)
-    if cfg.model.moe.num_experts:  # its closed forms count a dense SwiGLU per layer
-        raise config_lib.ConfigError("model.moe.num_experts", "the planner does not model MoE layers yet")
     ccfg, cfg_notes = prepare_config(cfg, backend)
     notes += cfg_notes
     t0 = time.perf_counter()
     compiled, spec, layout = compile_step(ccfg, devices)
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    params_b = _shard_bytes(spec.abstract_state["params"])
-    opt_b = _shard_bytes(spec.abstract_state["opt_state"])
-    grads_b = params_b  # gradients have the params' shapes, dtype and sharding (they live in temp)
-    arg, out, alias, temp = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                             mem.temp_size_in_bytes)
-    peak_ma = getattr(mem, "peak_memory_in_bytes", 0) or 0
-    peak = peak_ma if backend == "gpu" and peak_ma > 0 else arg + temp + max(0, out - alias)
-    usable = gpu.usable_bytes
+    memory = memory_report(compiled.memory_analysis(), spec, gpu, backend)
     text = compiled.as_text()
     ops = hlo.collectives(text, len(devices))
-    node_of = np.array([d.id // gpu.gpus_per_node for d in layout.mesh.devices.flat]) if backend == "gpu" else None
-    if backend == "gpu":  # logical id i is mesh.devices.flat[i]; its node from the topology's process index
-        node_of = np.array([getattr(d, "process_index", d.id // gpu.gpus_per_node) for d in layout.mesh.devices.flat])
-    roof = pm.roofline(ccfg, layout, gpu, ops, len(devices), node_of)
+    # logical id i is mesh.devices.flat[i]; its node from the topology's process index
+    node_of = np.array([getattr(d, "process_index", d.id // gpu.gpus_per_node)
+                        for d in layout.mesh.devices.flat]) if backend == "gpu" else None
+    dots = hlo.dot_flops(text, pmoe.EXPERT_MATMULS)
+    moe = pm.moe_layer_count(ccfg.model) > 0
+    roof = pm.roofline(ccfg, layout, gpu, ops, len(devices), node_of, moe_gemm, dots["marked"] if moe else None)
+    if moe:
+        notes += [MOE_GEMM_NOTES[moe_gemm]] + ([SORT_NOTE] if backend == "gpu" else [])
     result = {
         "gpu": gpu.name, "gpu_description": gpu.description, "num_gpus": len(devices),
         "nodes": max(1, len(devices) // gpu.gpus_per_node), "compiler": "XLA:GPU" if backend == "gpu" else "XLA:CPU",
@@ -185,24 +264,12 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         "micro_batch_size": layout.micro_batch_size, "accumulation_steps": layout.accumulation_steps,
         "global_batch_size": ccfg.train.global_batch_size, "seq_len": ccfg.data.seq_len,
         "attention_impl": ccfg.model.attention_impl, "remat": ccfg.model.remat,
-        "memory": {
-            "params": params_b, "optimizer": opt_b, "grads": grads_b,
-            "activations_and_temp": max(0.0, temp - grads_b), "temp": temp, "arguments": arg, "outputs": out,
-            "aliased": alias, "peak": peak, "peak_from": "memory_analysis.peak_memory_in_bytes" if peak == peak_ma
-            else "arguments + temp + unaliased outputs",
-            "device_memory": gpu.memory_bytes, "usable": usable, "mem_fraction": gpu.mem_fraction,
-            "fits": peak <= usable, "headroom": usable - peak,
-        },
+        "memory": memory,
         "closed_form_memory": pm.closed_form_memory(ccfg, layout),
-        "flops": {
-            "model_flops_per_step": roof["model_flops_per_step"],
-            "model_flops_per_step_causal": roof["model_flops_per_step_causal"],
-            "model_flops_per_device": roof["model_flops_per_step"] / len(devices),
-            "hardware_flops_per_device": roof["hardware_flops_per_device"],
-            "convention": "Megatron num_floating_point_operations (matmuls only, 3x forward); 'full' counts the "
-                          "causal attention s^2 term whole (Megatron's published tables), 'causal' halves it "
-                          "(Megatron's code today; what a causal flash kernel executes)",
-        },
+        "params": {"total": _count(spec.abstract_state["params"]), "closed_form": pm.param_count(ccfg.model),
+                   "active_per_token": pm.param_count(ccfg.model, active=True)},
+        "moe": moe_section(ccfg, layout, gpu, ops, node_of, moe_gemm, dots["marked"]) if moe else None,
+        "flops": flops_report(ccfg, roof, dots["total"], len(devices)),
         "collectives": hlo.summarize(ops),
         "async_overlap": {kind: {"pairs": len(ps), "exposed": sum(not p["compute_between"] for p in ps)}
                           for kind in ("all-gather", "all-reduce", "collective-permute")
@@ -238,8 +305,11 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
                       remats: Sequence[str] = ("none", "save_dots", "full")) -> list[Config]:
     m, gbs = cfg.model, cfg.train.global_batch_size
     out = []
+    widths = [m.num_heads, m.num_kv_heads, m.intermediate_size]  # what tensor parallelism splits
+    if m.moe.num_experts:
+        widths += [m.moe.expert_intermediate_size, pmoe.shared_width(m) or m.moe.expert_intermediate_size]
     splits = [(t, c) for t in pm.divisors(num_gpus)
-              if t <= gpus_per_node and not (m.num_heads % t or m.num_kv_heads % t or m.intermediate_size % t)
+              if t <= gpus_per_node and not any(w % t for w in widths)
               for c in contexts(cfg, num_gpus // t)]
     for tensor, context in splits:
         rest = num_gpus // (tensor * context)
@@ -263,10 +333,11 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
 
 
 def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices=None, max_compiles: int = 12,
-           top: int = 5, margin: float = 1.15, log=None) -> dict:
+           top: int = 5, margin: float = 1.15, log=None, moe_gemm: str = "as_compiled") -> dict:
     """Try layouts: closed-form memory prunes (estimate > ``margin`` x usable memory), a closed-form step time
     orders the rest, the first ``max_compiles`` are compiled; those whose compiled peak does not fit are
-    dropped, the others ranked by the roofline step time."""
+    dropped, the others ranked by the roofline step time (MoE: under ``moe_gemm``)."""
+    check_moe_gemm(moe_gemm)
     t0 = time.perf_counter()
     if devices is None:
         devices, backend, notes = target_devices(gpu, num_gpus, backend)
@@ -281,12 +352,12 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
         if est["total"] > margin * gpu.usable_bytes:
             pruned += 1
             continue
-        scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus), c))
+        scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus, moe_gemm), c))
     scored.sort(key=lambda x: x[0])
     results, rejected = [], []
     for _, c in scored[:max_compiles]:
         try:
-            r = plan(c, gpu, num_gpus, backend, devices)
+            r = plan(c, gpu, num_gpus, backend, devices, moe_gemm=moe_gemm)
         except Exception as err:  # noqa: BLE001 - a layout that does not compile is reported, not fatal
             rejected.append({"overrides": layout_overrides(c), "error": str(err).splitlines()[0][:300]})
             continue

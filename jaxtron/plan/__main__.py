@@ -30,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-compiles", type=int, default=12, help="--search: compile at most this many layouts")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--moe-gemm", choices=("as_compiled", "grouped"), default="as_compiled",
+                   help="MoE: the routed experts' matmuls in the roofline: as compiled (ragged_dot's masked dense "
+                        "fallback, E x the FLOPs) or a grouped-GEMM kernel (active FLOPs; not built). The plan "
+                        "prints both; this one ranks --search")
     hw = p.add_argument_group("roofline overrides (defaults per GPU in jaxtron/plan/gpus.py)")
     hw.add_argument("--peak-tflops", type=float)
     hw.add_argument("--hbm-gbps", type=float)
@@ -66,6 +70,7 @@ def _print_plan(r: dict) -> None:
     print(f"  usable              {_gib(mem['usable'])}   ({mem['mem_fraction']:.0%} of "
           f"{mem['device_memory'] / 2**30:.2f} GiB): {verdict}, "
           f"{'headroom' if mem['fits'] else 'short by'} {abs(mem['headroom']) / 2**30:.2f} GiB")
+    _print_params_and_moe(r)
     print("\nFLOPs per step (Megatron formula)")
     print(f"  model, full attention    {fl['model_flops_per_step']:.3e}  "
           f"({fl['model_flops_per_device']:.3e} per device)")
@@ -82,7 +87,7 @@ def _print_plan(r: dict) -> None:
               "between them (exposed)")
     wb = roof["wire_bytes_by_link"]
     print(f"  over NVLink {wb['nvlink'] / 2**30:.2f} GiB, over the network {wb['network'] / 2**30:.2f} GiB")
-    print("\nroofline prediction")
+    print("\nroofline prediction" + (f" (MoE experts: {roof['moe_gemm']})" if roof.get("moe_gemm") else ""))
     print(f"  compute {roof['compute_s']:.3f} s, HBM {roof['hbm_s']:.3f} s, exposed comm "
           f"{roof['exposed_comm_s']:.3f} s, overlappable comm {roof['overlappable_comm_s']:.3f} s")
     print(f"  step time {roof['step_time_s']:.3f} s, {roof['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
@@ -93,6 +98,25 @@ def _print_plan(r: dict) -> None:
           f"{h['comm_efficiency']}, {h['collective_latency_us']:.0f} us per collective")
     for n in r["notes"]:
         print(f"note: {n}")
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _print_params_and_moe(r: dict) -> None:
+    p, moe = r["params"], r["moe"]
+    print(f"\nparameters {_count(p['total'])}"
+          + (f" (every expert), {_count(p['active_per_token'])} active per token" if moe else ""))
+    if not moe:
+        return
+    ef = moe["expert_matmul_flops_per_device"]
+    print(f"MoE: {moe['moe_layers']} layers of {moe['experts']} experts, top-{moe['top_k']}, {moe['dispatch']}; "
+          f"routed-expert matmul FLOPs per device per step: {ef['as_compiled_hlo']:.3e} as compiled (HLO), "
+          f"{ef['grouped']:.3e} with a grouped GEMM")
+    alt = moe["alternative"]
+    print(f"  roofline below: {moe['gemm']}; with {alt['gemm']}: step {alt['step_time_s']:.3f} s, "
+          f"{alt['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {alt['mfu']:.1%} (predicted)")
 
 
 def _print_search(s: dict) -> None:
@@ -163,12 +187,12 @@ def main(argv=None) -> int:
         if args.search:
             log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
             out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,
-                         log=log)
+                         log=log, moe_gemm=args.moe_gemm)
             print(json.dumps(out, default=float) if args.json else "", end="\n" if args.json else "")
             if not args.json:
                 _print_search(out)
         else:
-            out = plan(cfg, gpu, args.num_gpus, args.backend)
+            out = plan(cfg, gpu, args.num_gpus, args.backend, moe_gemm=args.moe_gemm)
             if args.json:
                 print(json.dumps(out, default=float))
             else:

@@ -38,6 +38,9 @@ _CALLEE_RE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|fals
                         r"async_execution_thread_computation)=%?([\w.\-]+)")
 _LIST_CALLEE_RE = re.compile(r"\b(?:called_computations|branch_computations|calls)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+_DOT_LHS_RE = re.compile(r"dot\(\s*([a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+)")
+_LHS_CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
 def shape_bytes(shape: str) -> float:
@@ -157,6 +160,7 @@ class CollectiveOp:
     count: float             # executions per step (trip counts multiplied)
     groups: Optional[np.ndarray] = None
     pairs: list = field(default_factory=list)
+    op_name: str = ""        # the JAX operation it was inserted for (metadata), e.g. ".../ragged_dot_general"
 
     @property
     def wire_bytes(self) -> float:
@@ -276,8 +280,40 @@ def collectives(text: str, num_devices: int) -> list[CollectiveOp]:
                 gsize = groups.shape[1]
             else:
                 gsize = num_devices
-            ops.append(CollectiveOp(name, kind, comp, shape_bytes(res), gsize, count, groups, pairs))
+            op_name = _OP_NAME_RE.search(rest)
+            ops.append(CollectiveOp(name, kind, comp, shape_bytes(res), gsize, count, groups, pairs,
+                                    op_name.group(1) if op_name else ""))
     return ops
+
+
+def _dims(shape: str) -> list[int]:
+    m = _SHAPE_RE.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def dot_flops(text: str, marker: str = "ragged_dot") -> dict[str, float]:
+    """Matmul FLOPs per device per step of an optimized module: every ``dot`` counts 2 x its result elements x
+    its contracted size, times how often its computation runs (loop trip counts and fusion calls multiplied).
+    ``marked``: the part whose op_name matches the regular expression ``marker`` (by default the MoE experts'
+    ragged_dot, whatever XLA lowered it to). Custom calls (Pallas kernels such as flash attention, cuBLAS calls) are not counted."""
+    mod = parse_module(text)
+    mult = mod.multipliers()
+    total = marked = 0.0
+    for comp, instrs in mod.computations.items():
+        count = mult.get(comp, 0.0)
+        shapes = {name: shape for name, shape, _op, _rest in instrs}
+        for _name, shape, opcode, rest in instrs:
+            lhs = _DOT_LHS_RE.match(rest) if opcode == "dot" and count else None
+            if lhs is None:
+                continue
+            lhs_dims = _dims(lhs.group(1) or shapes.get(lhs.group(2), ""))
+            contracting = _LHS_CONTRACTING_RE.search(rest)
+            k = np.prod([lhs_dims[int(i)] for i in contracting.group(1).split(",") if i]) if contracting else 1
+            flops = 2.0 * float(np.prod(_dims(shape))) * float(k) * count
+            total += flops
+            op_name = _OP_NAME_RE.search(rest)
+            marked += flops if op_name and re.search(marker, op_name.group(1)) else 0.0
+    return {"total": total, "marked": marked}
 
 
 def summarize(ops: Sequence[CollectiveOp]) -> dict[str, dict]:

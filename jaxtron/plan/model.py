@@ -30,19 +30,34 @@ import numpy as np
 
 from jaxtron.config import Config, head_dim
 from jaxtron.parallel.layout import Layout
+from jaxtron.plan import moe as pmoe
 from jaxtron.plan.gpus import GpuSpec
-from jaxtron.train.flops import flops_per_token
+from jaxtron.train.flops import flops_per_token, moe_layer_count
 
-def layer_params(m) -> int:
-    d, h, kv, hd, f = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size
+def attention_params(m) -> int:
+    d, h, kv, hd = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m)
     bias = (h + 2 * kv) * hd if m.qkv_bias else 0
     qk_norm = 2 * hd if m.qk_norm else 0
-    return d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f + 2 * d + bias + qk_norm
+    return d * (h + 2 * kv) * hd + h * hd * d + bias + qk_norm
 
 
-def param_count(m) -> int:
+def layer_params(m, moe: bool = False, active: bool = False) -> int:
+    """One decoder layer: attention, the feed-forward block (dense SwiGLU, or MoE with all experts, or only
+    the experts a token uses when ``active``) and the two norms."""
+    ffn = pmoe.ffn_params(m, active) if moe else 3 * m.hidden_size * m.intermediate_size
+    return attention_params(m) + ffn + 2 * m.hidden_size
+
+
+def param_count(m, active: bool = False) -> int:
+    """All parameters (every expert), or the ones a token is multiplied by when ``active``."""
     emb = m.vocab_size * m.hidden_size
-    return emb * (1 if m.tie_embeddings else 2) + m.num_layers * layer_params(m) + m.hidden_size
+    n_moe = moe_layer_count(m)
+    layers = (m.num_layers - n_moe) * layer_params(m) + n_moe * layer_params(m, True, active)
+    return emb * (1 if m.tie_embeddings else 2) + layers + m.hidden_size
+
+
+def largest_layer_params(m) -> int:
+    return max(layer_params(m), layer_params(m, True) if moe_layer_count(m) else 0)
 
 
 def closed_form_state_bytes(cfg: Config, layout: Layout) -> dict:
@@ -56,47 +71,67 @@ def closed_form_state_bytes(cfg: Config, layout: Layout) -> dict:
             "param_count": n}
 
 
-def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str) -> float:
-    """bf16 activations one layer keeps for the backward, per token (flash attention: no s^2 term)."""
+def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str, moe: bool = False) -> float:
+    """bf16 activations one layer keeps for the backward, per token (flash attention: no s^2 term); an MoE
+    layer's feed-forward part is :func:`jaxtron.plan.moe.act_bytes_per_token`."""
     d, h, kv, hd, f = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size
     dt = t if sp else 1
-    tensor_part = ((h + 2 * kv) * hd + h * hd + 3 * f) / t
+    tensor_part = ((h + 2 * kv) * hd + h * hd + (0 if moe else 3 * f)) / t
+    ffn = pmoe.act_bytes_per_token(m, t, remat) if moe else 0.0
     if remat == "none":
-        return 2 * (5 * d / dt + tensor_part) + 8 * d / dt  # + fp32 norm inputs
+        return 2 * (5 * d / dt + tensor_part) + 8 * d / dt + ffn  # + fp32 norm inputs
     if remat == "save_dots":
-        return 2 * (3 * d / dt + tensor_part)
+        return 2 * (3 * d / dt + tensor_part) + ffn
     return 2 * d / dt  # full: the layer input only
+
+
+def _act_bytes_per_token(m, t: int, sp: bool, remat: str) -> float:
+    """Summed over all layers, dense and MoE."""
+    n_moe = moe_layer_count(m)
+    return ((m.num_layers - n_moe) * _act_bytes_per_token_layer(m, t, sp, remat)
+            + n_moe * _act_bytes_per_token_layer(m, t, sp, remat, moe=True))
+
+
+def _working_bytes(cfg: Config, layout: Layout, tokens: int, sp: bool) -> float:
+    """One layer's forward + backward live set (the largest layer's)."""
+    m, t = cfg.model, layout.tp
+    dense = tokens * _act_bytes_per_token_layer(m, t, sp, "none") * 2
+    if not moe_layer_count(m):
+        return dense
+    return max(dense, tokens * _act_bytes_per_token_layer(m, t, sp, "none", moe=True) * 2
+               + pmoe.working_bytes(cfg, layout))
 
 
 def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     """A quick per-device memory estimate used to prune ``--search`` before compiling (not the reported
     number: the compiler's memory analysis is)."""
     m, s = cfg.model, cfg.data.seq_len
-    t, dp, b = layout.tp, layout.dp, layout.micro_batch_size
+    t, b = layout.tp, layout.micro_batch_size
     sp = cfg.parallel.sequence_parallel and t > 1
     st = closed_form_state_bytes(cfg, layout)
     tokens = b * s // layout.context  # each context rank holds 1/context of the sequence
-    saved = m.num_layers * tokens * _act_bytes_per_token_layer(m, t, sp, m.remat)
-    working = tokens * _act_bytes_per_token_layer(m, t, sp, "none") * 2  # one layer's fwd + bwd live set
+    saved = tokens * _act_bytes_per_token(m, t, sp, m.remat)
+    working = _working_bytes(cfg, layout, tokens, sp)
     logits = tokens * m.vocab_size / t * (2 + 4 + 4)
-    gathered = 2 * 2 * layer_params(m) / t if layout.zero_shards > 1 else 0
+    gathered = 2 * 2 * largest_layer_params(m) / t if layout.zero_shards > 1 else 0
     acc = st["grads"] if layout.accumulation_steps > 1 else 0
     temp = saved + working + logits + gathered + acc + st["grads"]
     total = st["params"] + st["optimizer"] + temp
     return {**st, "activations": saved + working + logits + gathered, "temp": temp, "total": total}
 
 
-def hbm_bytes(cfg: Config, layout: Layout) -> float:
-    """Closed-form HBM traffic per device per step (see module doc)."""
+def hbm_bytes(cfg: Config, layout: Layout, moe_gemm: str = "as_compiled") -> float:
+    """Closed-form HBM traffic per device per step (see module doc; MoE: :func:`jaxtron.plan.moe.hbm_bytes`)."""
     m, s = cfg.model, cfg.data.seq_len
     t, b, accum = layout.tp, layout.micro_batch_size, layout.accumulation_steps
     sp = cfg.parallel.sequence_parallel and t > 1
     n_local = param_count(m) / t
     weights = 3 * 2 * n_local * accum * (4 / 3 if m.remat == "full" else 1)
-    act = 4 * m.num_layers * b * s * _act_bytes_per_token_layer(m, t, sp, "none") * accum
+    act = 4 * b * s * _act_bytes_per_token(m, t, sp, "none") * accum
     logits = 3 * b * s * m.vocab_size / t * 4 * accum
     opt = 28 * param_count(m) / (layout.zero_shards * t)
-    return weights + act + logits + opt
+    experts = pmoe.hbm_bytes(cfg, layout, moe_gemm) if moe_layer_count(m) else 0.0
+    return weights + act + logits + opt + experts
 
 
 def model_flops(cfg: Config, convention: str = "full") -> float:
@@ -116,46 +151,68 @@ def classify(op, layout: Layout, node_of: np.ndarray) -> tuple[tuple[str, ...], 
     return axes, cross
 
 
-def roofline(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, num_gpus: int,
-             node_of: Optional[np.ndarray] = None) -> dict:
-    if node_of is None:
-        node_of = np.arange(num_gpus) // gpu.gpus_per_node
-    remat_factor = 4 / 3 if cfg.model.remat == "full" else 1.0
-    mf_full = model_flops(cfg, "full")
-    mf_causal = model_flops(cfg, "causal")
-    hw_flops = mf_causal * remat_factor / num_gpus
-    peak = gpu.peak_tflops * 1e12
-    compute_s = hw_flops / (peak * gpu.compute_efficiency)
-    memory_s = hbm_bytes(cfg, layout) / (gpu.hbm_gbps * 1e9)
-    kernel_s = compute_s + memory_s
-    exposed = overlappable = 0.0
-    by_link = {"nvlink": 0.0, "network": 0.0}
-    per_kind = {}
+def hardware_flops_per_device(cfg: Config, layout: Layout, moe_gemm: str = "as_compiled",
+                               expert_flops: Optional[float] = None) -> float:
+    """FLOPs one device executes per step: the model FLOPs (causal convention) x recomputation, with the
+    routed experts' share replaced by what runs: ``expert_flops`` (counted in the compiled HLO) or
+    :func:`jaxtron.plan.moe.expert_flops_per_device` under ``moe_gemm``."""
+    hw = model_flops(cfg, "causal") * pmoe.remat_factor(cfg) / layout.num_devices
+    if not moe_layer_count(cfg.model):
+        return hw
+    if moe_gemm == "grouped" or expert_flops is None:
+        expert_flops = pmoe.expert_flops_per_device(cfg, layout, moe_gemm)
+    return hw - pmoe.expert_flops_per_device(cfg, layout, "grouped") + expert_flops
+
+
+def _comm(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndarray, moe_gemm: str) -> dict:
+    """Collective seconds: exposed (critical path), overlappable, by kind; wire bytes by link. The MoE
+    dispatch's collectives carry activations (critical path); under ``grouped`` (a dispatch that keeps tokens
+    on their device) those spanning the batch axes are left out."""
+    moe = bool(moe_layer_count(cfg.model))
+    out = {"exposed": 0.0, "overlappable": 0.0, "by_link": {"nvlink": 0.0, "network": 0.0}, "per_kind": {}}
     for op in ops:
         axes, cross = classify(op, layout, node_of)
-        bw = (gpu.net_gbps if cross else gpu.nvlink_gbps) * 1e9 * gpu.comm_efficiency
-        if op.wire_bytes == 0:
+        dispatch = moe and bool(pmoe.DISPATCH_COLLECTIVES.search(op.op_name))
+        if op.wire_bytes == 0 or (dispatch and moe_gemm == "grouped" and not layout.on_critical_path(axes)):
             continue
+        bw = (gpu.net_gbps if cross else gpu.nvlink_gbps) * 1e9 * gpu.comm_efficiency
         secs = op.count * (op.wire_bytes / bw + gpu.collective_latency_us * 1e-6)
-        by_link["network" if cross else "nvlink"] += op.wire_bytes * op.count
-        if layout.on_critical_path(axes):
-            exposed += secs
-        else:
-            overlappable += secs
-        per_kind[op.kind] = per_kind.get(op.kind, 0.0) + secs
-    step = kernel_s + exposed + max(0.0, overlappable - kernel_s)
+        out["by_link"]["network" if cross else "nvlink"] += op.wire_bytes * op.count
+        out["exposed" if dispatch or layout.on_critical_path(axes) else "overlappable"] += secs
+        out["per_kind"][op.kind] = out["per_kind"].get(op.kind, 0.0) + secs
+    return out
+
+
+def roofline(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, num_gpus: int,
+             node_of: Optional[np.ndarray] = None, moe_gemm: str = "as_compiled",
+             expert_flops: Optional[float] = None) -> dict:
+    """The predicted step (module doc). MoE: the routed experts as compiled (``expert_flops`` from the HLO)
+    or with a grouped-GEMM kernel (``moe_gemm='grouped'``, Megatron's active count)."""
+    if node_of is None:
+        node_of = np.arange(num_gpus) // gpu.gpus_per_node
+    mf_full, mf_causal = model_flops(cfg, "full"), model_flops(cfg, "causal")
+    hw_flops = hardware_flops_per_device(cfg, layout, moe_gemm, expert_flops)
+    peak = gpu.peak_tflops * 1e12
+    compute_s = hw_flops / (peak * gpu.compute_efficiency)
+    memory_s = hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
+    kernel_s = compute_s + memory_s
+    c = _comm(cfg, layout, gpu, ops, node_of, moe_gemm)
+    step = kernel_s + c["exposed"] + max(0.0, c["overlappable"] - kernel_s)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     return {
-        "step_time_s": step, "compute_s": compute_s, "hbm_s": memory_s, "exposed_comm_s": exposed,
-        "overlappable_comm_s": overlappable, "comm_s_by_kind": per_kind, "wire_bytes_by_link": by_link,
+        "step_time_s": step, "compute_s": compute_s, "hbm_s": memory_s, "exposed_comm_s": c["exposed"],
+        "overlappable_comm_s": c["overlappable"], "comm_s_by_kind": c["per_kind"],
+        "wire_bytes_by_link": c["by_link"],
         "mfu": mf_full / (num_gpus * peak * step), "mfu_causal": mf_causal / (num_gpus * peak * step),
         "model_flops_per_step": mf_full, "model_flops_per_step_causal": mf_causal,
         "hardware_flops_per_device": hw_flops, "tokens_per_s": tokens / step,
         "tokens_per_s_per_gpu": tokens / step / num_gpus,
+        "moe_gemm": moe_gemm if moe_layer_count(cfg.model) else None,
     }
 
 
-def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int) -> float:
+def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
+                       moe_gemm: str = "as_compiled") -> float:
     """Rough communication time for ranking search candidates before compiling."""
     m, s = cfg.model, cfg.data.seq_len
     t, f = layout.tp, layout.zero_shards
@@ -174,13 +231,16 @@ def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int)
         secs += max(0.0, exposed_fsdp - 0.8 * model_flops(cfg, "causal") / num_gpus / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency))
     if d > 1:
         secs += 2 * 4 * n / (f * t) * (d - 1) / d / bw(num_gpus)
+    if moe_layer_count(m) and moe_gemm == "as_compiled":
+        secs += pmoe.dispatch_comm_bytes(cfg, layout) / bw(layout.dp * t)
     return secs
 
 
-def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int) -> float:
-    remat_factor = 4 / 3 if cfg.model.remat == "full" else 1.0
-    compute = model_flops(cfg, "causal") * remat_factor / num_gpus / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency)
-    return compute + hbm_bytes(cfg, layout) / (gpu.hbm_gbps * 1e9) + closed_form_comm_s(cfg, layout, gpu, num_gpus)
+def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
+                       moe_gemm: str = "as_compiled") -> float:
+    compute = hardware_flops_per_device(cfg, layout, moe_gemm) / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency)
+    return (compute + hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
+            + closed_form_comm_s(cfg, layout, gpu, num_gpus, moe_gemm))
 
 
 def divisors(n: int) -> list[int]:
