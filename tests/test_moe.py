@@ -248,10 +248,20 @@ def test_aux_free_bias_is_updated_by_the_train_step_and_checkpointed(tmp_path):
 # Parallel layouts equal one device
 # ---------------------------------------------------------------------------------------------------------------
 
-PARALLEL_MOE = (*MOE, "model.moe.first_dense_layers=1", "model.moe.num_shared_experts=1",
+# 5 layers: the dense first one (run before any pipeline stage) and 4 MoE layers, 2 or (circular) 1 per chunk;
+# the aux-free bias moves fast, so the later steps' routing depends on every layer's load reaching its own bias
+PARALLEL_MOE = (*MOE, "model.num_layers=5", "model.moe.first_dense_layers=1", "model.moe.num_shared_experts=1",
                 "model.moe.shared_expert_gate=true", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01",
-                *NONZERO_LR)
+                "model.moe.aux_free_bias=true", "model.moe.bias_update_rate=0.05", *NONZERO_LR)
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean")
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """The reference of every layout: one device accumulating 2 micro batches of 4 (the load-balancing loss is
+    per micro batch, so each layout runs 2 micro batches too)."""
+    return _moe_record(tiny_config(*PARALLEL_MOE, "parallel.data=1", "train.micro_batch_size=4"),
+                       jax.devices()[:1])
 
 
 def _moe_record(cfg, devices):
@@ -277,9 +287,6 @@ def _moe_record(cfg, devices):
     return record
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    return _moe_record(tiny_config(*PARALLEL_MOE, "parallel.data=1"), jax.devices()[:1])
 
 
 @pytest.mark.slow
@@ -290,29 +297,20 @@ def test_dropless_moe_on_data2_fsdp2_tensor2_equals_one_device(one_device):
     from helpers import assert_same_training
 
     one = one_device
-    eight = _moe_record(tiny_config(*PARALLEL_MOE, "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"),
-                        jax.devices())
+    eight = _moe_record(tiny_config(*PARALLEL_MOE, "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
+                                    "train.micro_batch_size=1"), jax.devices())
     assert_same_training(eight, one)
     np.testing.assert_allclose(eight["moe"], one["moe"], rtol=1e-5)
+    np.testing.assert_allclose(eight["bias"], one["bias"], atol=1e-6)
     assert set(one["grads"]["layers"]["mlp"]) >= {"router", "w_gate", "w_up", "w_down", "shared", "shared_gate"}
     assert "dense_layers" in one["grads"]
 
 
-# 5 layers: the dense first one (run before the stages) and 4 MoE layers, 2 or (circular) 1 per chunk; the
-# aux-free bias moves fast, so the later steps' routing depends on every layer's load reaching its own bias
-PIPELINE_MOE = (*PARALLEL_MOE, "model.num_layers=5", "model.moe.aux_free_bias=true",
-                "model.moe.bias_update_rate=0.05")
-
-
-@pytest.fixture(scope="module")
-def one_device_two_micro_batches():
-    return _moe_record(tiny_config(*PIPELINE_MOE, "parallel.data=1", "train.micro_batch_size=4"),
-                       jax.devices()[:1])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("circular", 2)])
-def test_dropless_moe_through_pipeline_stages_equals_one_device(one_device_two_micro_batches, schedule, virtual):
+def test_dropless_moe_through_pipeline_stages_equals_one_device(one_device, schedule, virtual):
     """stage 2 x data 2 x tensor 2, 2 micro batches, against one device accumulating the same 2 micro batches
     (the load-balancing loss is per micro batch): losses, every gradient leaf and the router metrics, with
     the router losses' gradients reaching the stages through the 1F1B backward (manual VJPs) and through the
@@ -320,8 +318,8 @@ def test_dropless_moe_through_pipeline_stages_equals_one_device(one_device_two_m
     (gpipe runs the circular loop with one chunk per stage.)"""
     from helpers import assert_same_training
 
-    one = one_device_two_micro_batches
-    cfg = tiny_config(*PIPELINE_MOE, "parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
+    one = one_device
+    cfg = tiny_config(*PARALLEL_MOE, "parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
                       "train.micro_batch_size=2", f"parallel.pipeline_schedule={schedule}",
                       f"parallel.virtual_stages={virtual}")
     eight = _moe_record(cfg, jax.devices())
@@ -414,12 +412,12 @@ def test_flops_count_active_experts_as_megatron(preset):
 
 @pytest.mark.slow
 def test_gradient_accumulation_sums_the_expert_load_of_every_micro_batch(one_device):
-    """4 micro batches of 2 on one device against the batch of 8 (one_device's first step): the same loss and
+    """one_device's 2 micro batches of 4 against the whole batch of 8 in one: the same first-step loss and
     z-loss (per-token means) and the same max/mean expert load, which is only so if the step sums the loads of
     all micro batches. (The load-balancing loss is computed per micro batch, as Megatron does, so it differs.)"""
     from jaxtron.train.loop import Trainer, put_batch
 
-    cfg = tiny_config(*PARALLEL_MOE, "parallel.data=1", "train.micro_batch_size=2")
+    cfg = tiny_config(*PARALLEL_MOE, "parallel.data=1", "train.micro_batch_size=8")
     run = Trainer(cfg, jax.devices()[:1])
     m = run.step(put_batch(synthetic_batch(cfg, 0), run.batch_sharding))
     whole = dict(zip(MOE_METRICS, one_device["moe"][0]))
