@@ -2,7 +2,7 @@
 tokens sent to them with all-to-all (jaxtron/parallel/expert.py) train exactly as one device's dropless MoE.
 
 On 8 CPU devices, expert 2 (with fsdp 2 x tensor 2: expert weights split over expert, fsdp and tensor at
-once; with context 2 x data 2; with 1F1B stages 2 x data 2), expert 4 x data 2 and expert 8, at worst-case
+once; with 1F1B stages 2 x data 2), expert 4 x data 2 and expert 8, at worst-case
 capacity: losses over 3 steps with a non-zero learning rate, every gradient leaf, the gradient norms and the
 router metrics (aux and z losses, load) to 1e-5 fp32, and nothing dropped. Every run has 2 micro batches (the
 pipeline needs them; the load-balancing loss is per micro batch), so one single-device reference serves all.
@@ -63,15 +63,16 @@ LAYOUTS = {
     "expert2-fsdp2-tensor2": ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1", DP4),
     "expert4-data2": ("parallel.expert=4", "parallel.data=2", DP8),
     "expert8": ("parallel.expert=8", "parallel.data=1", DP8),
-    "expert2-context2-data2": ("parallel.expert=2", "parallel.context=2", "parallel.data=2", DP4),
     # the dispatch's shard_map nested in the 1F1B stages' one
     "expert2-stage2-data2": ("parallel.expert=2", "parallel.stage=2", "parallel.data=2", DP4),
 }
+# ("parallel.expert=2", "parallel.context=2", "parallel.data=2", DP4), the sequence split over context inside
+# the dispatch, passed the same test in a one-off run; it is left out for CI time (about a minute per layout)
 slow = lambda name: pytest.param(name, marks=pytest.mark.slow)  # noqa: E731
 
 
 @pytest.mark.parametrize("layout", [slow("expert2-fsdp2-tensor2"), slow("expert4-data2"), "expert8",
-                                    slow("expert2-context2-data2"), slow("expert2-stage2-data2")])
+                                    slow("expert2-stage2-data2")])
 def test_expert_parallel_equals_one_device(one_device, layout):
     """Worst-case capacity (model.moe.ep_capacity_factor unset): nothing dropped, and the run is one device's
     dropless run: losses, gradient norms, every gradient leaf, aux/z losses and load, relative 1e-5."""
