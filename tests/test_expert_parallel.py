@@ -164,6 +164,20 @@ def test_pallas_grouped_matmul_runs_on_each_ranks_experts():
         assert np.linalg.norm(a - e) <= 1e-5 * np.linalg.norm(e), jax.tree_util.keystr(path)
 
 
+def test_a_batch_that_does_not_split_runs_the_plain_dispatch():
+    """3 sequences (a few prompts in generation) on expert 4 x data 2 cannot split over 8 devices: the plain
+    dropless dispatch runs on the split weights instead (no all-to-all) and gives the one-device output."""
+    layout, layer = _layer_on(("parallel.expert=4", "parallel.data=2"))
+    x = np.random.default_rng(2).normal(size=(3, 16, 64)).astype(np.float32)
+    graphdef, state = nnx.split(layer)
+    fn = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)[0])
+    with layout.tracing():
+        y = fn(state, x)
+        assert "all-to-all" not in fn.lower(state, x).compile().as_text()
+    one = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)[0])(jax.device_get(state), x)  # no mesh, no rules
+    np.testing.assert_allclose(np.asarray(y), np.asarray(one), rtol=1e-5, atol=1e-7)
+
+
 def test_capacity_is_at_most_the_worst_case():
     assert capacity(16, 2, 4, 2, None) == 32 == capacity(16, 2, 4, 2, 100.0)   # every choice to one rank
     assert capacity(16, 2, 8, 1, None) == 16                                    # one expert per rank: <= 1 each
