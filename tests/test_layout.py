@@ -13,10 +13,11 @@ def test_fills_the_minus_one_axis_and_derives_the_batch_arithmetic():
     cfg = tiny_config("parallel.data=-1", "parallel.tensor=2", "train.global_batch_size=16",
                       "train.micro_batch_size=2")
     layout = Layout.build(cfg, jax.devices())
-    assert dict(layout.sizes) == {"stage": 1, "data": 4, "fsdp": 1, "context": 1, "tensor": 2}
+    assert dict(layout.sizes) == {"stage": 1, "data": 4, "fsdp": 1, "expert": 1, "context": 1,
+                                    "tensor": 2}
     assert (layout.dp, layout.tp, layout.stages, layout.num_devices) == (4, 2, 1, 8)
     assert layout.accumulation_steps == 2 and layout.bubble == 0.0
-    assert layout.mesh.axis_names == AXES and layout.mesh.devices.shape == layout.shape == (1, 4, 1, 1, 2)
+    assert layout.mesh.axis_names == AXES and layout.mesh.devices.shape == layout.shape == (1, 4, 1, 1, 1, 2)
     assert layout.describe() == "data=4 fsdp=1 tensor=2 stage=1"
 
 
@@ -58,7 +59,7 @@ def test_fixed_sizes_are_checked_when_the_config_loads():
 
 def test_collective_axes_for_the_planner():
     layout = Layout.planned(tiny_config("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), 8)
-    # logical ids are positions in the (stage, data, fsdp, tensor) = (1, 2, 2, 2) mesh
+    # logical ids are positions in the (stage, data, fsdp, expert, context, tensor) = (1, 2, 2, 1, 1, 2) mesh
     assert layout.axes_of_group([0, 1]) == ("tensor",)
     assert layout.axes_of_group([0, 2]) == ("fsdp",)
     assert layout.axes_of_group([0, 2, 4, 6]) == ("data", "fsdp")

@@ -81,6 +81,17 @@ class MoEConfig:
                                      "runs it by default as a masked dense matmul, E times the FLOPs) or 'pallas' "
                                      "(pallas_kernels.grouped_matmul, Triton; interpret mode on CPU: exact but "
                                      "slow).")
+    ep_dispatch: str = _f("all_to_all", "With parallel.expert > 1, how dropless dispatch sends tokens to their "
+                                        "experts' ranks: 'all_to_all' (fixed per-rank buffers of "
+                                        "ep_capacity_factor, jax.lax.all_to_all; any platform) or "
+                                        "'ragged_all_to_all' (exact-size exchange, GPU only; refused on CPU and "
+                                        "not implemented yet).")
+    ep_capacity_factor: Optional[float] = _f(None, "all_to_all dispatch: rows per destination rank in each "
+                                                   "device's send buffer as a multiple of the balanced share, "
+                                                   "ceil(factor * tokens * k / parallel.expert); assignments "
+                                                   "past it are dropped and counted in moe_dropped. null: the "
+                                                   "worst case tokens * min(k, experts per rank), nothing "
+                                                   "dropped (buffers parallel.expert times the balanced size).")
 
 
 @dataclass
@@ -155,6 +166,10 @@ class ParallelConfig:
                                          "from sequence split to head split around attention; num_heads "
                                          "divisible by context x tensor, kv heads repeated when fewer); "
                                          "ring is refused with stage > 1.")
+    expert: int = _f(1, "Expert-parallel size: each MoE layer's experts split over this mesh axis (num_experts "
+                        "divisible by it), which is drawn from the data-parallel devices: it splits the batch "
+                        "too and other weights are replicated (or FSDP-sharded) over it. Tokens travel to their "
+                        "experts' ranks and back with all-to-all (model.moe.ep_dispatch).")
 
 
 @dataclass
@@ -220,9 +235,9 @@ class TrainConfig:
     seed: int = _f(0, "Seed for parameter init and data order.")
     output_dir: str = _f("runs/default", "Where metrics.jsonl, TensorBoard events and the resolved config go.")
     global_batch_size: int = _f(8, "Sequences per optimizer step.")
-    micro_batch_size: Optional[int] = _f(None, "Sequences per micro batch per data-parallel replica (data*fsdp);"
-                                               " gradient accumulation steps = global / (micro * dp). Default: "
-                                               "global / dp (no accumulation).")
+    micro_batch_size: Optional[int] = _f(None, "Sequences per micro batch per data-parallel replica "
+                                               "(data*fsdp*expert); gradient accumulation steps = global / "
+                                               "(micro * dp). Default: global / dp (no accumulation).")
     eval_every: int = _f(100, "Evaluate on held-out data every N steps (0: only at the end).")
     eval_batches: int = _f(4, "Batches of global_batch_size per evaluation.")
     peak_tflops: Optional[float] = _f(None, "Peak dense bf16 TFLOP/s per device for MFU; default from the "

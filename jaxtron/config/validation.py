@@ -20,6 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 MOE_SCORE_FUNCS = ("softmax", "sigmoid")
 MOE_DISPATCH = ("dropless", "capacity")
 MOE_GMM_IMPLS = ("ragged_dot", "pallas")
+MOE_EP_DISPATCH = ("all_to_all", "ragged_all_to_all")
 
 
 def check(cond: bool, field_name: str, message: str) -> None:
@@ -121,6 +122,9 @@ def _validate_moe(cfg: Config) -> None:
         v = getattr(e, name)
         check(v >= 0, f"model.moe.{name}", f"must be >= 0, got {v}")
     check(e.capacity_factor > 0, "model.moe.capacity_factor", f"must be > 0, got {e.capacity_factor}")
+    _one_of(cfg, "model.moe.ep_dispatch", MOE_EP_DISPATCH)
+    check(e.ep_capacity_factor is None or e.ep_capacity_factor > 0, "model.moe.ep_capacity_factor",
+          f"must be > 0 (or null: the worst case, nothing dropped), got {e.ep_capacity_factor}")
 
 
 def _validate_optim(cfg: Config) -> None:

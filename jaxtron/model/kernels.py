@@ -61,7 +61,8 @@ def gmm(lhs, rhs, group_sizes):
     of lhs sorted by group, group g multiplied by rhs[g]. Not per shard: dropless dispatch sorts the (token,
     expert) assignments of the whole batch, so under a mesh every device holds all the sorted rows (with
     ragged_dot too), and XLA runs the kernel on whole, gathered operands on each device. That is exact but not
-    split across devices; splitting the dispatch is expert parallelism's work."""
+    split across devices; with expert parallelism (``jaxtron.parallel.expert``) each rank runs it on the rows
+    sent to its own experts."""
     import jax.numpy as jnp
     from pallas_kernels.grouped_matmul import gmm as grouped_matmul
 

@@ -3,10 +3,10 @@ dropless or capacity dispatch, optional shared experts (with Qwen's sigmoid gate
 
     y, stats = MoE(cfg, rngs=rngs)(x)     # x: [batch, seq, hidden]
 
-Expert weights are stacked on a leading ``expert`` axis: ``w_gate``/``w_up`` [E, hidden, ffn] named
-("expert", "embed", "mlp"), ``w_down`` [E, ffn, hidden] named ("expert", "mlp", "embed"), so FSDP and tensor
-parallelism split them as they split the dense MLP; the ``expert`` axis is not split yet (expert parallelism is
-the next issue).
+Expert weights are stacked on a leading axis named ``experts``: ``w_gate``/``w_up`` [E, hidden, ffn] named
+("experts", "embed", "mlp"), ``w_down`` [E, ffn, hidden] named ("experts", "mlp", "embed"), so FSDP and tensor
+parallelism split them as they split the dense MLP and expert parallelism splits the experts. The router's
+columns and the aux-free bias are named ``router_experts``: small, never split.
 
 Dispatch (``model.moe.dispatch``):
 
@@ -15,7 +15,10 @@ Dispatch (``model.moe.dispatch``):
   unsorted and combined with the routing weights. No token is dropped. The grouped matmuls are
   ``model.moe.gmm_impl``: ``jax.lax.ragged_dot`` (XLA:CPU and, without the ragged-dot fusion flag, XLA:GPU
   lower it to a masked dense matmul: exact, E times the FLOPs) or the Pallas grouped-GEMM kernel
-  (``pallas_kernels.grouped_matmul``, through ``jaxtron.model.kernels``).
+  (``pallas_kernels.grouped_matmul``, through ``jaxtron.model.kernels``). With expert parallelism
+  (``parallel.expert > 1``) the tokens travel to their experts' ranks and back (``jaxtron.parallel.expert``:
+  all-to-all of per-rank buffers, the same grouped matmuls on each rank's experts); a buffer smaller than the
+  worst case (``model.moe.ep_capacity_factor``) drops the assignments past it.
 - ``capacity``: each expert takes at most C = ceil(capacity_factor * T * k / E) assignments, first choices
   before second choices (Switch/GShard priority: all tokens' top-1, then top-2, ... each in token order);
   the rest are dropped, i.e. contribute nothing, so the residual stream carries the token past the layer. The
@@ -36,6 +39,10 @@ from jaxtron.config import ModelConfig
 from jaxtron.model import routing
 from jaxtron.model.layers import SwiGLU, param
 from jaxtron.model.projection import project
+from jaxtron.parallel import expert as expert_parallel
+
+EXPERTS = expert_parallel.WEIGHT_NAME  # the expert stacks' leading axis: split over the expert ranks
+ROUTER_EXPERTS = "router_experts"      # the router's columns and the aux-free bias: replicated
 
 
 def _swiglu_experts(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
@@ -51,6 +58,14 @@ def _grouped_matmul(gmm_impl: str):
     return lambda a, w, sizes: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
 
 
+def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, gmm_impl: str = "ragged_dot"):
+    """The routed SwiGLU experts on rows sorted by expert: group e (the next group_sizes[e] rows) through
+    expert e's weights; rows past the groups come out as zeros."""
+    grouped = _grouped_matmul(gmm_impl)
+    dot = lambda a, w: grouped(a, w, group_sizes).astype(a.dtype)  # noqa: E731
+    return dot(_swiglu_experts(dot(xs, w_gate), dot(xs, w_up)), w_down)
+
+
 def dropless(x, r: routing.Routing, w_gate, w_up, w_down, gmm_impl: str = "ragged_dot"):
     """x: [T, D]; experts/weights: [T, k]; weights [E, D, F], [E, F, D] -> [T, D]."""
     t, k = r.experts.shape
@@ -59,9 +74,7 @@ def dropless(x, r: routing.Routing, w_gate, w_up, w_down, gmm_impl: str = "ragge
     order = jnp.argsort(flat, stable=True)                         # assignments grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)                           # [T*k, D] in expert order
-    grouped = _grouped_matmul(gmm_impl)
-    dot = lambda a, w: grouped(a, w, group_sizes).astype(a.dtype)
-    ys = dot(_swiglu_experts(dot(xs, w_gate), dot(xs, w_up)), w_down)
+    ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, gmm_impl)
     y = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # back to token order
     combined = jnp.sum(y.astype(jnp.float32) * r.weights[..., None], axis=1)
     return combined.astype(x.dtype), jnp.zeros((), jnp.float32)
@@ -103,12 +116,12 @@ class MoE(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         std, out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
         self.moe = e
-        self.router = param(rngs, (d, n), ("embed", "expert"), std, pd)
-        self.w_gate = param(rngs, (n, d, f), ("expert", "embed", "mlp"), std, pd)
-        self.w_up = param(rngs, (n, d, f), ("expert", "embed", "mlp"), std, pd)
-        self.w_down = param(rngs, (n, f, d), ("expert", "mlp", "embed"), out_std, pd)
+        self.router = param(rngs, (d, n), ("embed", ROUTER_EXPERTS), std, pd)
+        self.w_gate = param(rngs, (n, d, f), (EXPERTS, "embed", "mlp"), std, pd)
+        self.w_up = param(rngs, (n, d, f), (EXPERTS, "embed", "mlp"), std, pd)
+        self.w_down = param(rngs, (n, f, d), (EXPERTS, "mlp", "embed"), out_std, pd)
         if e.aux_free_bias:
-            self.expert_bias = routing.ExpertBias(jnp.zeros((n,), jnp.float32), out_sharding=("expert",))
+            self.expert_bias = routing.ExpertBias(jnp.zeros((n,), jnp.float32), out_sharding=(ROUTER_EXPERTS,))
         if e.num_shared_experts:
             size = e.num_shared_experts * (e.shared_expert_intermediate_size or f)
             self.shared = SwiGLU(dataclasses.replace(cfg, intermediate_size=size), rngs=rngs)
@@ -128,14 +141,24 @@ class MoE(nnx.Module):
             if self.moe.dispatch == "capacity":
                 y, dropped = capacity_dispatch(tokens, r, *w, self.moe.capacity_factor)
             else:
-                y, dropped = dropless(tokens, r, *w, gmm_impl=self.moe.gmm_impl)
+                y, dropped = self._dropless(x, r, w)
         y = y.reshape(b, s, d)
         if self.moe.num_shared_experts:
             shared = self.shared(x)
             if self.moe.shared_expert_gate:
                 shared = shared * jax.nn.sigmoid(project("bsd,do->bso", x, self.shared_gate[...].astype(dt)))
             y = y + shared
-        load = routing.expert_load(r.experts, self.moe.num_experts)
+        load = routing.expert_load(r.experts, self.moe.num_experts)  # global: from the routing, before dispatch
         stats = {"aux_loss": routing.load_balancing_loss(r, load), "z_loss": routing.router_z_loss(r),
                  "load": load, "dropped": dropped, "assigned": jnp.asarray(r.experts.size, jnp.float32)}
         return y, stats
+
+    def _dropless(self, x, r: routing.Routing, w):
+        """Dropless dispatch of x [B, S, D]: over the expert ranks (``model.moe.ep_dispatch``) where the mesh
+        has them, else on the whole batch."""
+        b, s, d = x.shape
+        plain = lambda: dropless(x.reshape(b * s, d), r, *w, gmm_impl=self.moe.gmm_impl)  # noqa: E731
+        ffn = lambda xs, sizes, *ws: expert_ffn(xs, sizes, *ws, gmm_impl=self.moe.gmm_impl)  # noqa: E731
+        per_token = lambda a: a.reshape(b, s, -1)  # noqa: E731
+        return expert_parallel.dispatch(x, per_token(r.experts), per_token(r.weights), w, ffn,
+                                        self.moe.ep_capacity_factor, plain)

@@ -1,5 +1,5 @@
 """The only package that knows the device mesh: the Layout, mesh building, the logical-axis rules, sharding
-helpers, and the code that needs mesh axes by name (pipeline stages).
+helpers, and the code that needs mesh axes by name (pipeline stages, ring/Ulysses attention, expert dispatch).
 
 Names are imported on first use, so config validation (``layout.check_parallel``) does not import JAX."""
 

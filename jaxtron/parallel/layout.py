@@ -25,18 +25,22 @@ import numpy as np
 
 from jaxtron.config.schema import Config, ConfigError, ParallelConfig
 from jaxtron.parallel.context import check_context
+from jaxtron.parallel.expert import check_expert
 
 if TYPE_CHECKING:  # jax is imported where a mesh is built: config validation does not import it
     import jax
     from jax.sharding import Mesh, NamedSharding
 
-# The mesh axes, outermost first: stage and data span hosts; tensor (then fsdp) stay innermost, inside a node.
-AXES = ("stage", "data", "fsdp", "context", "tensor")
-# Axes that split the batch (data parallelism: gradients are reduced over them).
-BATCH_SPLIT = ("data", "fsdp")
+# The mesh axes, outermost first: stage and data span hosts; tensor (then context, expert, fsdp) stay inner,
+# inside a node (expert's all-to-alls want NVLink).
+AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
+# Axes that split the batch (data parallelism: gradients are reduced over them). Expert parallelism is drawn
+# from the data-parallel devices (Megatron's EP within DP): the expert ranks hold different tokens.
+BATCH_SPLIT = ("data", "fsdp", "expert")
 # Axes whose collectives sit on the critical path (Megatron tensor/sequence parallel activations); the others
 # (FSDP gathers, gradient reductions) XLA overlaps with compute.
-CRITICAL_PATH = ("tensor", "context")  # context: attention waits for the gathered K and V
+CRITICAL_PATH = ("tensor", "context", "expert")  # context: attention waits for the gathered K and V; expert:
+                                                 # the experts wait for the dispatch all-to-all
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular")
 
 
@@ -107,6 +111,7 @@ def check_parallel(cfg: Config, sizes: Optional[Mapping[str, int]] = None) -> No
             _check(cfg.data.seq_len % tensor == 0, "data.seq_len",
                    f"{cfg.data.seq_len} is not divisible by parallel.tensor={tensor} (sequence_parallel)")
     check_context(cfg, known.get("context"), tensor)
+    check_expert(cfg, known.get("expert"))
     if all(a in known for a in BATCH_SPLIT):
         dp = math.prod(known[a] for a in BATCH_SPLIT)
         split = "*".join(BATCH_SPLIT)
@@ -161,6 +166,7 @@ class Layout:
         dp = math.prod(sizes[a] for a in BATCH_SPLIT)
         layout = cls(sizes, cfg.train.global_batch_size, micro_batch_size(cfg, dp), cfg.parallel, None, platform)
         if platform is not None:
+            check_expert(cfg, sizes["expert"], platform)
             kernels.check(cfg, platform, num_devices=num_devices, micro_batch_size=layout.micro_batch_size,
                           tensor=layout.tp)
         return layout
@@ -215,7 +221,7 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: the ways the batch is split (data x fsdp)."""
+        """Data-parallel size: the ways the batch is split (data x fsdp x expert)."""
         return math.prod(self.sizes[a] for a in BATCH_SPLIT)
 
     @property
@@ -225,6 +231,11 @@ class Layout:
     @property
     def fsdp(self) -> int:
         return self.sizes["fsdp"]
+
+    @property
+    def expert(self) -> int:
+        """The ways the MoE experts are split (expert parallelism; part of the data-parallel size)."""
+        return self.sizes["expert"]
 
     @property
     def context(self) -> int:
@@ -255,15 +266,17 @@ class Layout:
         return (s - 1) / (v * self.accumulation_steps + s - 1)
 
     def describe(self) -> str:
-        """``data=2 fsdp=2 tensor=2 stage=1`` (and ``context=4 (ring)`` where the sequence is split)."""
+        """``data=2 fsdp=2 tensor=2 stage=1`` (and ``expert=2``, ``context=4 (ring)`` where there are such)."""
         text = " ".join(f"{a}={self.sizes[a]}" for a in ("data", "fsdp", "tensor", "stage"))
+        if self.sizes["expert"] > 1:
+            text += f" expert={self.sizes['expert']}"
         if self.sizes["context"] > 1:
             text += f" context={self.sizes['context']} ({self.parallel.context_impl})"
         return text
 
     def overrides(self) -> list[str]:
         """The ``parallel.<axis>=<size>`` overrides that give this layout's mesh."""
-        return [f"parallel.{a}={self.sizes[a]}" for a in ("data", "fsdp", "context", "tensor", "stage")]
+        return [f"parallel.{a}={self.sizes[a]}" for a in ("data", "fsdp", "expert", "context", "tensor", "stage")]
 
     # --------------------------------------------------------------------------------- rules, shardings
     @property

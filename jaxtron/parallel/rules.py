@@ -7,8 +7,12 @@ which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) paralle
   ``embed`` over ``fsdp`` and ``context`` (ZeRO-3: every weight is split on its hidden dim, gathered per layer),
   ``heads``/``kv_heads``/``mlp`` over ``tensor`` (column-parallel QKV/gate/up, row-parallel out/down),
   ``vocab`` over ``tensor`` (vocab-parallel embedding and logits); MoE expert weights are named
-  (``expert``, ``embed``, ``mlp``) and so split like the dense MLP, their ``expert`` axis replicated.
-* activations: the batch over ``data`` and ``fsdp``; heads, MLP and vocab over ``tensor``;
+  (``experts``, ``embed``, ``mlp``) and so split like the dense MLP, and their ``experts`` axis over
+  ``expert`` (expert parallelism); the router's columns and the aux-free bias (``router_experts``) are small
+  and replicated.
+* activations: the batch over ``data``, ``fsdp`` and ``expert`` (Megatron's EP within data parallelism: the
+  expert ranks hold different tokens; :mod:`jaxtron.parallel.expert` sends them to their experts' ranks);
+  heads, MLP and vocab over ``tensor``;
   with sequence parallelism the sequence axis of the residual stream (``act_res_seq``) over ``tensor``;
   the sequence axis (``act_seq``, ``act_res_seq``) over ``context`` (context parallelism; inside attention
   the names of ``_ATTENTION_RULES`` say, per ``parallel.context_impl``, whether K and V are gathered, passed
@@ -31,8 +35,8 @@ _PARAM_RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    ("expert", None),     # MoE expert stacks (router columns, expert weights, aux-free bias); expert
-                          # parallelism will map it onto its own mesh axis
+    ("experts", "expert"),     # MoE expert stacks' leading axis: expert parallelism
+    ("router_experts", None),  # the router's columns and the aux-free bias: [hidden, E] and [E], replicated
     ("head_dim", None),
     ("norm", None),
     ("layers", "stage"),  # stacked decoder layers: contiguous chunks per pipeline stage
@@ -41,7 +45,7 @@ _PARAM_RULES: Rules = (
 
 # Activation axes.
 _ACTIVATION_RULES: Rules = (
-    ("act_batch", ("data", "fsdp")),
+    ("act_batch", ("data", "fsdp", "expert")),
     ("act_seq", "context"),
 
     ("act_embed", None),

@@ -1,0 +1,154 @@
+"""Expert parallelism: MoE expert weights split over the ``expert`` mesh axis, tokens sent to their experts'
+devices with all-to-all (Megatron's EP within data parallelism).
+
+The rules table maps the expert stacks' leading axis (logical ``experts``) onto ``expert`` and the batch
+(``act_batch``) onto data, fsdp *and* expert, so an expert rank holds E/EP experts and its own slice of the
+batch; every other weight is replicated over ``expert`` (or FSDP-sharded as without it). Routing, the aux
+losses and the expert loads are computed by the model on the whole (GSPMD-global) batch before dispatch, so
+they are those of one device.
+
+:func:`dispatch` (``model.moe.ep_dispatch=all_to_all``) runs in a ``jax.shard_map`` that is manual over the
+axes that split the tokens (the batch axes, expert among them, and the sequence's context axis), so each
+device packs only its own tokens; tensor (the experts' ``mlp`` dim) and stage stay automatic. Per device:
+
+1. the T*k (token, choice) assignments, first choices before second choices (as ``capacity`` dispatch), get a
+   destination rank (expert // experts per rank) and a place in that rank's queue;
+2. each rank's assignments are packed into a fixed buffer of C rows,
+   C = min(ceil(ep_capacity_factor * T * k / EP), T * min(k, E/EP)) (the second term is the worst case: every
+   token sends all the choices it can to one rank; ``ep_capacity_factor=null`` gives it, i.e. dropless); an
+   assignment past C is dropped (contributes nothing, counted in ``moe_dropped``);
+3. ``all_to_all`` over ``expert`` exchanges the [EP, C, D] buffers and the slots' local expert ids;
+4. the received rows are sorted by local expert and run through the model's grouped matmuls (``ffn``:
+   ``ragged_dot`` or the Pallas kernel); empty slots sort last, past every group, and come out as zeros;
+5. ``all_to_all`` sends the results back, and each assignment's row is combined with its routing weight.
+
+The expert weights enter the shard_map split over ``expert`` only, so FSDP's gather of them happens at its
+boundary and the transpose sums their gradients over the batch axes (``check_vma=False``: every output is
+split over every manual axis, so the transpose psums exactly the replicated inputs' cotangents).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+from jaxtron.config.schema import Config, ConfigError
+
+AXIS = "expert"
+IMPLEMENTATIONS = ("all_to_all", "ragged_all_to_all")
+WEIGHT_NAME = "experts"  # the logical name of the expert stacks' leading axis (rules.py maps it onto AXIS)
+
+
+def check_expert(cfg: Config, expert: Optional[int], platform: Optional[str] = None) -> None:
+    """The config errors of ``parallel.expert`` (``expert``: the resolved size, None if unknown; ``platform``
+    of the devices, when known)."""
+    m = cfg.model.moe
+    if m.ep_dispatch not in IMPLEMENTATIONS:  # validation checks it too; the Layout may get an unvalidated cfg
+        raise ConfigError("model.moe.ep_dispatch", f"{m.ep_dispatch!r} is not one of {IMPLEMENTATIONS}")
+    if expert is None or expert == 1:
+        return
+    if not m.num_experts:
+        raise ConfigError("parallel.expert", f"{expert} expert ranks need an MoE model (model.moe.num_experts > 0)")
+    if m.num_experts % expert:
+        raise ConfigError("parallel.expert", f"model.moe.num_experts={m.num_experts} is not divisible by "
+                                             f"parallel.expert={expert}")
+    if m.ep_dispatch == "ragged_all_to_all":
+        if platform == "cpu":
+            raise ConfigError("model.moe.ep_dispatch", "ragged_all_to_all runs on GPUs only (XLA:CPU has no "
+                                                       "ragged all-to-all); use all_to_all")
+        if platform is not None:  # said plainly rather than run the fixed-capacity exchange under its name
+            raise ConfigError("model.moe.ep_dispatch", "ragged_all_to_all is not implemented yet; use all_to_all")
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _split(names: Sequence[str], rules) -> tuple[str, ...]:
+    from jaxtron.parallel.sharding import logical_to_spec
+
+    return _axes(logical_to_spec(tuple(names), rules)[0])
+
+
+def capacity(tokens: int, k: int, ranks: int, local_experts: int, factor: Optional[float]) -> int:
+    """Rows per destination rank in a device's send buffer: ceil(factor * tokens * k / ranks), at most the
+    worst case tokens * min(k, local_experts) (``factor`` None: the worst case, nothing dropped)."""
+    worst = tokens * min(k, local_experts)
+    if factor is None:
+        return worst
+    return max(1, min(worst, math.ceil(factor * tokens * k / ranks)))
+
+
+def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, capacity_factor: Optional[float],
+             plain: Callable):
+    """Routed experts over the ``expert`` axis. x [B, S, D]; experts (ids) and weights (combine weights, fp32)
+    [B, S, k]; ``expert_weights``: arrays whose leading axis is the experts (logical ``experts``);
+    ``ffn(rows sorted by expert, group_sizes [E_local], *local expert weights) -> rows`` (fp32 or x's dtype).
+    Returns (y [B, S, D] in x's dtype, dropped assignments as an fp32 scalar). Without an expert axis of size
+    > 1 (or a batch that does not split over the devices, e.g. a few prompts in generation), ``plain()``:
+    the dropless dispatch on the whole batch, which GSPMD runs on the same split weights."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtron.parallel.sharding import current_context
+
+    ctx = current_context()
+    if ctx is None or ctx[1] is None:
+        return plain()
+    rules, mesh = ctx
+    ep_axes = tuple(a for a in _split((WEIGHT_NAME,), rules) if mesh.shape[a] > 1)
+    if not ep_axes:
+        return plain()
+    batch, seq = _split(("act_batch",), rules), _split(("act_seq",), rules)
+    assert set(ep_axes) <= set(batch), f"expert axes {ep_axes} must split the batch ({batch}): EP within DP"
+    n_batch = math.prod(mesh.shape[a] for a in batch)
+    n_seq = math.prod(mesh.shape[a] for a in seq)
+    if x.shape[0] % n_batch or x.shape[1] % n_seq:
+        return plain()
+    ep = math.prod(mesh.shape[a] for a in ep_axes)
+    b, s, k = x.shape[0] // n_batch, x.shape[1] // n_seq, experts.shape[-1]
+    local_experts = expert_weights[0].shape[0] // ep
+    cap = capacity(b * s, k, ep, local_experts, capacity_factor)
+
+    def body(x, experts, weights, *local_weights):
+        y, dropped = _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap)
+        return y, dropped.reshape(1, 1)
+
+    tokens = P(batch or None, seq or None, None)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens) + tuple(
+                               P(ep_axes, *([None] * (w.ndim - 1))) for w in expert_weights),
+                           out_specs=(tokens, P(batch or None, seq or None)),
+                           axis_names=frozenset(batch + seq), check_vma=False)
+    y, dropped = mapped(x, experts, weights, *expert_weights)
+    return y, dropped.sum()
+
+
+def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int):
+    """One device's tokens x [b, s, D] to their experts' ranks and back (steps 1-5 of the module doc)."""
+    import jax
+    import jax.numpy as jnp
+
+    b, s, d = x.shape
+    t, k = b * s, experts.shape[-1]
+    local_experts = local_weights[0].shape[0]
+    x = x.reshape(t, d)
+    choice_major = lambda a: a.reshape(t, k).T.reshape(-1)  # noqa: E731  all first choices, then second, ...
+    flat = choice_major(experts)
+    token = jnp.tile(jnp.arange(t), k)
+    dest = flat // local_experts
+    onehot = jax.nn.one_hot(dest, ep, dtype=jnp.int32)                       # [k*t, EP]
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # place in its rank's queue
+    kept = position < cap
+    slot = jnp.where(kept, dest * cap + position, ep * cap)                  # ep * cap: out of range, dropped
+    send = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(jnp.take(x, token, axis=0), mode="drop")
+    # the slots' local expert ids; an empty slot gets local_experts, which sorts after every expert's rows
+    ids = jnp.full((ep * cap,), local_experts, jnp.int32).at[slot].set(flat % local_experts, mode="drop")
+    exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731  chunk j <-> rank j
+    rows, row_ids = exchange(send), exchange(ids)
+    order = jnp.argsort(row_ids, stable=True)
+    group_sizes = jnp.bincount(row_ids, length=local_experts + 1)[:local_experts].astype(jnp.int32)
+    out = ffn(jnp.take(rows, order, axis=0), group_sizes, *local_weights)  # empty slots: past every group, 0
+    out = exchange(jnp.take(out, jnp.argsort(order), axis=0).astype(x.dtype))
+    y = out.at[slot].get(mode="fill", fill_value=0)                          # dropped assignments read zeros
+    combined = jnp.sum((y.astype(jnp.float32) * choice_major(weights)[:, None]).reshape(k, t, d), axis=0)
+    return combined.astype(x.dtype).reshape(b, s, d), jnp.sum(~kept).astype(jnp.float32)

@@ -1,0 +1,204 @@
+"""Expert parallelism (parallel.expert > 1, issue 25): the experts split over the ``expert`` mesh axis and the
+tokens sent to them with all-to-all (jaxtron/parallel/expert.py) train exactly as one device's dropless MoE.
+
+On 8 CPU devices, expert 2 (with fsdp 2 x tensor 2: expert weights split over expert, fsdp and tensor at
+once; with 1F1B stages 2 x data 2), expert 4 x data 2 and expert 8, at worst-case
+capacity: losses over 3 steps with a non-zero learning rate, every gradient leaf, the gradient norms and the
+router metrics (aux and z losses, load) to 1e-5 fp32, and nothing dropped. Every run has 2 micro batches (the
+pipeline needs them; the load-balancing loss is per micro batch), so one single-device reference serves all.
+With a small capacity the dropped count and the layer's output equal a direct numpy count and reference. Bad
+configs give one line naming the field.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import NONZERO_LR, assert_same_training, synthetic_batch, tiny_config
+from jaxtron.config import ConfigError
+from jaxtron.model.moe import MoE
+from jaxtron.parallel.expert import capacity
+from jaxtron.parallel.layout import Layout
+from test_moe import _np_moe, _np_route
+
+# 8 experts (one per rank at expert 8), top-2; a dense first layer and 2 MoE layers (one per pipeline stage),
+# a gated shared expert and non-zero router loss coefficients, so every kind of MoE parameter has a gradient
+# to compare; 16 sequences in 2 micro batches of 8
+EP_MOE = ("model.moe.num_experts=8", "model.moe.num_experts_per_token=2", "model.moe.expert_intermediate_size=32",
+          "model.moe.first_dense_layers=1", "model.num_layers=3", "model.moe.num_shared_experts=1",
+          "model.moe.shared_expert_gate=true", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01",
+          "train.global_batch_size=16", *NONZERO_LR)
+METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean", "moe_dropped")
+
+
+def _record(cfg, devices):
+    """helpers.training_record (gradients at init, 3 steps on one batch) plus the MoE metrics of each step,
+    and the trainer (for its state's shardings)."""
+    from jaxtron.train.loop import Trainer, put_batch
+
+    trainer = Trainer(cfg, devices)
+    batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
+    grads, metrics = trainer.gradients(batch)
+    record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
+              "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": [], "moe": []}
+    for _ in range(3):
+        m = trainer.step(batch)
+        record["losses"].append(float(m["loss"]))
+        record["grad_norms"].append(float(m["grad_norm"]))
+        record["moe"].append([float(m[k]) for k in METRICS])
+    return record, trainer
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _record(tiny_config(*EP_MOE, "parallel.data=1", "train.micro_batch_size=8"), jax.devices()[:1])[0]
+
+
+# the micro batch is per data-parallel replica (data x fsdp x expert): 8 sequences per micro batch in all
+DP4, DP8 = "train.micro_batch_size=2", "train.micro_batch_size=1"
+LAYOUTS = {
+    "expert2-fsdp2-tensor2": ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1", DP4),
+    "expert4-data2": ("parallel.expert=4", "parallel.data=2", DP8),
+    "expert8": ("parallel.expert=8", "parallel.data=1", DP8),
+    # the dispatch's shard_map nested in the 1F1B stages' one
+    "expert2-stage2-data2": ("parallel.expert=2", "parallel.stage=2", "parallel.data=2", DP4),
+}
+# ("parallel.expert=2", "parallel.context=2", "parallel.data=2", DP4), the sequence split over context inside
+# the dispatch, passed the same test in a one-off run; it is left out for CI time (about a minute per layout)
+slow = lambda name: pytest.param(name, marks=pytest.mark.slow)  # noqa: E731
+
+
+@pytest.mark.parametrize("layout", [slow("expert2-fsdp2-tensor2"), slow("expert4-data2"), "expert8",
+                                    slow("expert2-stage2-data2")])
+def test_expert_parallel_equals_one_device(one_device, layout):
+    """Worst-case capacity (model.moe.ep_capacity_factor unset): nothing dropped, and the run is one device's
+    dropless run: losses, gradient norms, every gradient leaf, aux/z losses and load, relative 1e-5."""
+    eight, trainer = _record(tiny_config(*EP_MOE, *LAYOUTS[layout]), jax.devices())
+    assert_same_training(eight, one_device)
+    np.testing.assert_allclose(eight["moe"], one_device["moe"], rtol=1e-5)
+    assert [row[-1] for row in eight["moe"]] == [0.0, 0.0, 0.0]  # moe_dropped
+    spec = lambda name: tuple(trainer.state["params"]["layers"]["mlp"][name].sharding.spec) + (None,) * 4  # noqa
+    assert spec("w_gate")[:2] == ("stage", "expert")     # [layers, experts, embed, mlp]: experts split
+    assert spec("router")[2] is None                     # [layers, embed, experts]: router columns replicated
+    if layout == "expert2-fsdp2-tensor2":                 # and over fsdp and tensor as the dense MLP
+        assert spec("w_down")[:4] == ("stage", "expert", "tensor", ("fsdp", "context"))
+
+
+def _layer_on(overrides):
+    routed_only = [o for o in EP_MOE if "shared" not in o]  # the numpy reference has no shared expert
+    cfg = tiny_config(*routed_only, *overrides)
+    layout = Layout.build(cfg, jax.devices())
+    with nnx.use_eager_sharding(False):
+        layer = MoE(cfg.model, rngs=nnx.Rngs(0))
+    return layout, layout.place(layer)
+
+
+def _drop_mask(experts: np.ndarray, rows_per_device: int, seq: int, ranks: int, local: int, cap: int):
+    """[T, k] dropped assignments, counted directly: each device's tokens (contiguous batch rows), first
+    choices before second ones, in token order, into a queue per destination rank of ``cap`` rows."""
+    t, k = experts.shape
+    drop = np.zeros((t, k), bool)
+    per_device = rows_per_device * seq
+    for start in range(0, t, per_device):
+        seen = np.zeros(ranks, int)
+        for j in range(k):
+            for tok in range(start, start + per_device):
+                rank = experts[tok, j] // local
+                drop[tok, j] = seen[rank] >= cap
+                seen[rank] += 1
+    return drop
+
+
+def test_small_capacity_drops_exactly_the_overflow_of_each_rank_buffer():
+    """expert 4 x data 2, ep_capacity_factor 0.5: the layer's dropped count equals a direct count, its output
+    equals the token-by-token reference without the dropped assignments, and the step exchanges tokens with
+    all-to-all."""
+    factor, b, s = 0.5, 8, 16
+    layout, layer = _layer_on(("parallel.expert=4", "parallel.data=2", f"model.moe.ep_capacity_factor={factor}"))
+    x = np.random.default_rng(1).normal(size=(b, s, 64)).astype(np.float32)
+    graphdef, state = nnx.split(layer)
+    with layout.tracing():
+        fn = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+        xs = jax.device_put(x, layout.sharding(("act_batch", "act_seq", "act_embed")))
+        y, stats = fn(state, xs)
+        hlo = fn.lower(state, xs).compile().as_text()
+    assert "all-to-all" in hlo
+    experts, _ = _np_route(x.reshape(-1, 64), np.asarray(layer.router[...]), layer.moe)
+    rows = b // 8  # one batch row per device (data 2 x expert 4)
+    cap = capacity(rows * s, 2, 4, 2, factor)
+    assert cap == 4  # ceil(0.5 * 16 tokens * 2 / 4 ranks)
+    drop = _drop_mask(experts, rows, s, 4, 2, cap)
+    assert 0 < drop.sum() < drop.size
+    assert float(stats["dropped"]) == drop.sum()
+    ref, _ = _np_moe(layer, x, drop)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_pallas_grouped_matmul_runs_on_each_ranks_experts():
+    """model.moe.gmm_impl=pallas inside the dispatch (interpreted on CPU) on expert 4 x data 2: the kernel runs
+    (gate, up, down) and the layer's output and gradients equal ragged_dot's to 1e-5."""
+    x = np.random.default_rng(1).normal(size=(8, 16, 64)).astype(np.float32)
+
+    def run(*extra):
+        layout, layer = _layer_on(("parallel.expert=4", "parallel.data=2", *extra))
+        graphdef, state = nnx.split(layer)
+
+        def loss(st, x):
+            y, _ = nnx.merge(graphdef, st)(x)
+            return (y ** 2).sum(), y
+
+        with layout.tracing():
+            xs = jax.device_put(x, layout.sharding(("act_batch", "act_seq", "act_embed")))
+            jaxpr = str(jax.make_jaxpr(loss)(state, xs))
+            (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state, xs)
+        return jaxpr, np.asarray(y), jax.tree.map(np.asarray, grads)
+
+    jaxpr, y, grads = run("model.moe.gmm_impl=pallas")
+    assert jaxpr.count("pallas_call") == 3 and "ragged_dot" not in jaxpr and "all_to_all" in jaxpr
+    _, y_ref, grads_ref = run()
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-7)
+    for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)):
+        assert np.linalg.norm(a - e) <= 1e-5 * np.linalg.norm(e), jax.tree_util.keystr(path)
+
+
+def test_a_batch_that_does_not_split_runs_the_plain_dispatch():
+    """3 sequences (a few prompts in generation) on expert 4 x data 2 cannot split over 8 devices: the plain
+    dropless dispatch runs on the split weights instead (no all-to-all) and gives the one-device output."""
+    layout, layer = _layer_on(("parallel.expert=4", "parallel.data=2"))
+    x = np.random.default_rng(2).normal(size=(3, 16, 64)).astype(np.float32)
+    graphdef, state = nnx.split(layer)
+    fn = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)[0])
+    with layout.tracing():
+        y = fn(state, x)
+        assert "all-to-all" not in fn.lower(state, x).compile().as_text()
+    one = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)[0])(jax.device_get(state), x)  # no mesh, no rules
+    np.testing.assert_allclose(np.asarray(y), np.asarray(one), rtol=1e-5, atol=1e-7)
+
+
+def test_capacity_is_at_most_the_worst_case():
+    assert capacity(16, 2, 4, 2, None) == 32 == capacity(16, 2, 4, 2, 100.0)   # every choice to one rank
+    assert capacity(16, 2, 8, 1, None) == 16                                    # one expert per rank: <= 1 each
+    assert capacity(16, 2, 4, 2, 1.0) == 8
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (("model.moe.num_experts=6", "parallel.expert=4", "parallel.data=2"), "parallel.expert"),
+    (("model.moe.num_experts=0", "parallel.expert=2", "parallel.data=4"), "parallel.expert"),
+    (("parallel.expert=8", "parallel.data=1", "train.global_batch_size=4"), "train.global_batch_size"),
+    (("model.moe.ep_dispatch=alltoall",), "model.moe.ep_dispatch"),
+    (("model.moe.ep_capacity_factor=0",), "model.moe.ep_capacity_factor"),
+])
+def test_bad_expert_configs_give_one_line_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(*EP_MOE, *overrides)
+    assert str(err.value).startswith(f"{field}: ") and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_ragged_all_to_all_is_refused_on_cpu():
+    cfg = tiny_config(*EP_MOE, "parallel.expert=2", "parallel.data=4", "model.moe.ep_dispatch=ragged_all_to_all")
+    with pytest.raises(ConfigError, match=r"^model.moe.ep_dispatch: ragged_all_to_all runs on GPUs only") as err:
+        Layout.build(cfg, jax.devices())
+    assert len(str(err.value).splitlines()) == 1
