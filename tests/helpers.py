@@ -105,6 +105,26 @@ def training_record(cfg, devices, steps: int = 3, batch_seed: int = 0, documents
     """What a layout is compared on: the fp32 gradient of the whole batch at the initial parameters (leaf by
     leaf, through the train step's own gradient path: accumulation or pipeline), its global norm, and the
     losses and gradient norms of ``steps`` optimizer steps on one fixed batch."""
+    return _record(cfg, devices, steps, batch_seed, documents, ())[0]
+
+
+def moe_training_record(cfg, devices, metrics: tuple[str, ...]):
+    """:func:`training_record` (3 steps) plus the MoE ``metrics`` of each step (``record["moe"]``) and the
+    final aux-free biases (``record["bias"]`` [MoE layers, E], when the model has them), and the trainer. The
+    bias is moved by the expert load, not by gradients: its gradient must be zero, and is left out of
+    ``record["grads"]``."""
+    import jax
+    import numpy as np
+
+    record, trainer = _record(cfg, devices, 3, 0, 1, metrics)
+    mlp = record["grads"]["layers"]["mlp"]
+    if "expert_bias" in mlp:
+        assert not np.any(mlp.pop("expert_bias"))
+        record["bias"] = np.asarray(jax.device_get(trainer.state["params"])["layers"]["mlp"]["expert_bias"])
+    return record, trainer
+
+
+def _record(cfg, devices, steps: int, batch_seed: int, documents: int, metrics: tuple[str, ...]):
     import jax
     import numpy as np
 
@@ -112,14 +132,16 @@ def training_record(cfg, devices, steps: int = 3, batch_seed: int = 0, documents
 
     trainer = Trainer(cfg, devices)
     batch = put_batch(synthetic_batch(cfg, batch_seed, documents), trainer.batch_sharding)
-    grads, metrics = trainer.gradients(batch)
+    grads, m = trainer.gradients(batch)
     record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
-              "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": []}
+              "grad_norm0": float(m["grad_norm"]), "losses": [], "grad_norms": [], "moe": []}
     for _ in range(steps):
         m = trainer.step(batch)
         record["losses"].append(float(m["loss"]))
         record["grad_norms"].append(float(m["grad_norm"]))
-    return record
+        if metrics:
+            record["moe"].append([float(m[k]) for k in metrics])
+    return record, trainer
 
 
 def assert_same_training(actual: dict, expected: dict, rtol: float = 1e-5) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import NONZERO_LR, assert_same_training, synthetic_batch, tiny_config
+from helpers import NONZERO_LR, assert_same_training, moe_training_record, tiny_config
 from jaxtron.config import ConfigError
 from jaxtron.model.moe import MoE
 from jaxtron.parallel.expert import capacity
@@ -35,21 +35,8 @@ METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean", "moe_dropped"
 
 
 def _record(cfg, devices):
-    """helpers.training_record (gradients at init, 3 steps on one batch) plus the MoE metrics of each step,
-    and the trainer (for its state's shardings)."""
-    from jaxtron.train.loop import Trainer, put_batch
-
-    trainer = Trainer(cfg, devices)
-    batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
-    grads, metrics = trainer.gradients(batch)
-    record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
-              "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": [], "moe": []}
-    for _ in range(3):
-        m = trainer.step(batch)
-        record["losses"].append(float(m["loss"]))
-        record["grad_norms"].append(float(m["grad_norm"]))
-        record["moe"].append([float(m[k]) for k in METRICS])
-    return record, trainer
+    """helpers.moe_training_record with this file's metrics: (record, trainer)."""
+    return moe_training_record(cfg, devices, METRICS)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import NONZERO_LR, synthetic_batch, tiny_config
+from helpers import NONZERO_LR, moe_training_record, synthetic_batch, tiny_config
 from jaxtron import config as config_lib
 from jaxtron.config.schema import MoEConfig
 from jaxtron.model import routing
@@ -265,28 +265,7 @@ def one_device():
 
 
 def _moe_record(cfg, devices):
-    """helpers.training_record (gradients at init, 3 steps) plus the MoE metrics of each step."""
-    from jaxtron.train.loop import Trainer, put_batch
-
-    trainer = Trainer(cfg, devices)
-    batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
-    grads, metrics = trainer.gradients(batch)
-    grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
-    if "expert_bias" in grads["layers"]["mlp"]:  # state moved from the load, not by gradients
-        assert not np.any(grads["layers"]["mlp"].pop("expert_bias"))
-    record = {"grads": grads,
-              "grad_norm0": float(metrics["grad_norm"]), "losses": [], "grad_norms": [], "moe": []}
-    for _ in range(3):
-        m = trainer.step(batch)
-        record["losses"].append(float(m["loss"]))
-        record["grad_norms"].append(float(m["grad_norm"]))
-        record["moe"].append([float(m[k]) for k in MOE_METRICS])
-    params = jax.device_get(trainer.state["params"])
-    if "expert_bias" in params["layers"]["mlp"]:
-        record["bias"] = np.asarray(params["layers"]["mlp"]["expert_bias"])  # [MoE layers, E]
-    return record
-
-
+    return moe_training_record(cfg, devices, MOE_METRICS)[0]
 
 
 @pytest.mark.slow
