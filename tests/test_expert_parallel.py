@@ -12,6 +12,8 @@ configs give one line naming the field.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -74,12 +76,13 @@ def test_expert_parallel_equals_one_device(one_device, layout):
         assert spec("w_down")[:4] == ("stage", "expert", "tensor", ("fsdp", "context"))
 
 
-def _layer_on(overrides):
+def _layer_on(overrides, ep_dispatch="all_to_all"):
     routed_only = [o for o in EP_MOE if "shared" not in o]  # the numpy reference has no shared expert
     cfg = tiny_config(*routed_only, *overrides)
     layout = Layout.build(cfg, jax.devices())
+    model = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, ep_dispatch=ep_dispatch))
     with nnx.use_eager_sharding(False):
-        layer = MoE(cfg.model, rngs=nnx.Rngs(0))
+        layer = MoE(model, rngs=nnx.Rngs(0))
     return layout, layout.place(layer)
 
 
@@ -124,31 +127,87 @@ def test_small_capacity_drops_exactly_the_overflow_of_each_rank_buffer():
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-6)
 
 
+def _output_and_grads(overrides, ep_dispatch="all_to_all"):
+    """(jaxpr, output, gradients of sum(y^2)) of one MoE layer on a mesh of ``overrides``; ``ep_dispatch`` is
+    given to the layer only (the Layout refuses ragged_all_to_all on CPU)."""
+    layout, layer = _layer_on(overrides, ep_dispatch)
+    x = np.random.default_rng(1).normal(size=(8, 16, 64)).astype(np.float32)
+    graphdef, state = nnx.split(layer)
+
+    def loss(st, x):
+        y, _ = nnx.merge(graphdef, st)(x)
+        return (y ** 2).sum(), y
+
+    with layout.tracing():
+        xs = jax.device_put(x, layout.sharding(("act_batch", "act_seq", "act_embed")))
+        jaxpr = str(jax.make_jaxpr(loss)(state, xs))
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state, xs)
+    return jaxpr, np.asarray(y), jax.tree.map(np.asarray, grads)
+
+
+def _assert_same_layer(got, expected):
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-7)
+    for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(expected[2]), jax.tree.leaves(got[2])):
+        assert np.linalg.norm(a - e) <= 1e-5 * np.linalg.norm(e), jax.tree_util.keystr(path)
+
+
 def test_pallas_grouped_matmul_runs_on_each_ranks_experts():
     """model.moe.gmm_impl=pallas inside the dispatch (interpreted on CPU) on expert 4 x data 2: the kernel runs
     (gate, up, down) and the layer's output and gradients equal ragged_dot's to 1e-5."""
-    x = np.random.default_rng(1).normal(size=(8, 16, 64)).astype(np.float32)
+    EP4 = ("parallel.expert=4", "parallel.data=2")
+    got = _output_and_grads((*EP4, "model.moe.gmm_impl=pallas"))
+    assert got[0].count("pallas_call") == 3 and "ragged_dot" not in got[0] and "all_to_all" in got[0]
+    _assert_same_layer(got, _output_and_grads(EP4))
 
-    def run(*extra):
-        layout, layer = _layer_on(("parallel.expert=4", "parallel.data=2", *extra))
-        graphdef, state = nnx.split(layer)
 
-        def loss(st, x):
-            y, _ = nnx.merge(graphdef, st)(x)
-            return (y ** 2).sum(), y
+def test_chunked_dispatch_overlappable_equals_the_whole_one():
+    """model.moe.ep_chunks=2 (each device's tokens dispatched in two halves, so that one half's all-to-all can
+    overlap the other's experts) on expert 4 x data 2: twice the exchanges, the same output and gradients."""
+    EP4 = ("parallel.expert=4", "parallel.data=2")
+    got, whole = _output_and_grads((*EP4, "model.moe.ep_chunks=2")), _output_and_grads(EP4)
+    assert got[0].count("all_to_all") == 2 * whole[0].count("all_to_all") > 0
+    _assert_same_layer(got, whole)
 
-        with layout.tracing():
-            xs = jax.device_put(x, layout.sharding(("act_batch", "act_seq", "act_embed")))
-            jaxpr = str(jax.make_jaxpr(loss)(state, xs))
-            (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state, xs)
-        return jaxpr, np.asarray(y), jax.tree.map(np.asarray, grads)
 
-    jaxpr, y, grads = run("model.moe.gmm_impl=pallas")
-    assert jaxpr.count("pallas_call") == 3 and "ragged_dot" not in jaxpr and "all_to_all" in jaxpr
-    _, y_ref, grads_ref = run()
-    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-7)
-    for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)):
-        assert np.linalg.norm(a - e) <= 1e-5 * np.linalg.norm(e), jax.tree_util.keystr(path)
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+    """jax.lax.ragged_all_to_all's documented semantics from all_gather (XLA:CPU has no ragged all-to-all):
+    peer j's rows operand_j[input_offsets_j[me] :][: send_sizes_j[me]] land at output[output_offsets_j[me] :];
+    every other output row keeps its value. recv_sizes must be what the peers send: if not, the output is
+    poisoned (NaN, or -1 for integers) so that the caller's result is wrong."""
+    import jax.numpy as jnp
+
+    me = jax.lax.axis_index(axis_name)
+    ops, starts, sizes, dests = (jax.lax.all_gather(a, axis_name) for a in
+                                 (operand, input_offsets, send_sizes, output_offsets))
+    assert recv_sizes.shape == send_sizes.shape
+    r = jnp.arange(operand.shape[0])
+    for j in range(ops.shape[0]):
+        ok = r < sizes[j, me]
+        src = jnp.where(ok, starts[j, me] + r, 0)
+        dst = jnp.where(ok, dests[j, me] + r, output.shape[0])  # out of range: not written
+        output = output.at[dst].set(jnp.take(ops[j], src, axis=0), mode="drop")
+    poison = jnp.nan if jnp.issubdtype(output.dtype, jnp.floating) else -1
+    return jnp.where(jnp.any(sizes[:, me] != recv_sizes), poison, output)
+
+
+def test_ragged_all_to_all_dispatch_equals_the_all_to_all_one(monkeypatch):
+    """ep_dispatch=ragged_all_to_all (exact-size exchange) on expert 4 x data 2, with the collective emulated
+    from its documented semantics on CPU: through three ragged exchanges (rows, slot ids, results), the layer's
+    output and gradients equal the worst-case all_to_all dispatch's (which equals one device) to 1e-5."""
+    from jaxtron.parallel import expert
+
+    calls = []
+
+    def emulated(*args, axis_name):
+        calls.append(axis_name)
+        return _emulated_ragged_all_to_all(*args, axis_name=axis_name)
+
+    monkeypatch.setattr(expert, "ragged_all_to_all", emulated)
+    EP4 = ("parallel.expert=4", "parallel.data=2")
+    got = _output_and_grads(EP4, "ragged_all_to_all")
+    assert len(calls) >= 3 and set(calls) == {("expert",)}
+    _assert_same_layer(got, _output_and_grads(EP4))
 
 
 def test_a_batch_that_does_not_split_runs_the_plain_dispatch():
@@ -177,6 +236,7 @@ def test_capacity_is_at_most_the_worst_case():
     (("parallel.expert=8", "parallel.data=1", "train.global_batch_size=4"), "train.global_batch_size"),
     (("model.moe.ep_dispatch=alltoall",), "model.moe.ep_dispatch"),
     (("model.moe.ep_capacity_factor=0",), "model.moe.ep_capacity_factor"),
+    (("parallel.expert=2", "parallel.data=4", "model.moe.ep_chunks=3"), "model.moe.ep_chunks"),
 ])
 def test_bad_expert_configs_give_one_line_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:

@@ -136,10 +136,10 @@ class MoE(nnx.Module):
         # The scopes name these ops in the compiled HLO, where the planner (jaxtron/plan/moe.py) finds them.
         with jax.named_scope("moe_router"):
             r = routing.route(tokens, self.router[...], self.moe, bias)
-        w = [p[...].astype(dt) for p in (self.w_gate, self.w_up, self.w_down)]
+        w = [p[...] for p in (self.w_gate, self.w_up, self.w_down)]  # cast where they are used (_dropless)
         with jax.named_scope("moe_experts"):
             if self.moe.dispatch == "capacity":
-                y, dropped = capacity_dispatch(tokens, r, *w, self.moe.capacity_factor)
+                y, dropped = capacity_dispatch(tokens, r, *(a.astype(dt) for a in w), self.moe.capacity_factor)
             else:
                 y, dropped = self._dropless(x, r, w)
         y = y.reshape(b, s, d)
@@ -155,10 +155,13 @@ class MoE(nnx.Module):
 
     def _dropless(self, x, r: routing.Routing, w):
         """Dropless dispatch of x [B, S, D]: over the expert ranks (``model.moe.ep_dispatch``) where the mesh
-        has them, else on the whole batch."""
+        has them, else on the whole batch. The expert weights ``w`` come in their parameter dtype and are cast
+        to x's where they are multiplied: inside the expert-parallel shard_map, so its transpose sums their
+        gradients over the batch axes in that dtype (XLA:CPU aborts on the bf16 all-reduce it gets otherwise,
+        in its AllReducePromotion pass)."""
         b, s, d = x.shape
-        plain = lambda: dropless(x.reshape(b * s, d), r, *w, gmm_impl=self.moe.gmm_impl)  # noqa: E731
-        ffn = lambda xs, sizes, *ws: expert_ffn(xs, sizes, *ws, gmm_impl=self.moe.gmm_impl)  # noqa: E731
+        cast = lambda ws: [a.astype(x.dtype) for a in ws]  # noqa: E731
+        plain = lambda: dropless(x.reshape(b * s, d), r, *cast(w), gmm_impl=self.moe.gmm_impl)  # noqa: E731
+        ffn = lambda xs, sizes, *ws: expert_ffn(xs, sizes, *cast(ws), gmm_impl=self.moe.gmm_impl)  # noqa: E731
         per_token = lambda a: a.reshape(b, s, -1)  # noqa: E731
-        return expert_parallel.dispatch(x, per_token(r.experts), per_token(r.weights), w, ffn,
-                                        self.moe.ep_capacity_factor, plain)
+        return expert_parallel.dispatch(x, per_token(r.experts), per_token(r.weights), w, ffn, plain, self.moe)

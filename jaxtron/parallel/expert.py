@@ -22,6 +22,9 @@ device packs only its own tokens; tensor (the experts' ``mlp`` dim) and stage st
    ``ragged_dot`` or the Pallas kernel); empty slots sort last, past every group, and come out as zeros;
 5. ``all_to_all`` sends the results back, and each assignment's row is combined with its routing weight.
 
+``ep_dispatch=ragged_all_to_all`` (GPUs: XLA:CPU has no ragged all-to-all) sends each rank exactly its rows
+instead (:func:`_ragged_exchange`): no capacity, nothing dropped, the receive buffer sized for the worst case.
+
 The expert weights enter the shard_map split over ``expert`` only, so FSDP's gather of them happens at its
 boundary and the transpose sums their gradients over the batch axes (``check_vma=False``: every output is
 split over every manual axis, so the transpose psums exactly the replicated inputs' cotangents).
@@ -53,11 +56,23 @@ def check_expert(cfg: Config, expert: Optional[int], platform: Optional[str] = N
         raise ConfigError("parallel.expert", f"model.moe.num_experts={m.num_experts} is not divisible by "
                                              f"parallel.expert={expert}")
     if m.ep_dispatch == "ragged_all_to_all":
+        if m.ep_capacity_factor is not None:
+            raise ConfigError("model.moe.ep_capacity_factor", "applies to ep_dispatch=all_to_all only: "
+                                                              "ragged_all_to_all is dropless (null it)")
         if platform == "cpu":
             raise ConfigError("model.moe.ep_dispatch", "ragged_all_to_all runs on GPUs only (XLA:CPU has no "
                                                        "ragged all-to-all); use all_to_all")
-        if platform is not None:  # said plainly rather than run the fixed-capacity exchange under its name
-            raise ConfigError("model.moe.ep_dispatch", "ragged_all_to_all is not implemented yet; use all_to_all")
+
+
+def check_chunks(cfg: Config, sizes: dict, micro_batch_size: int) -> None:
+    """``model.moe.ep_chunks`` must divide each device's tokens in training (``sizes``: the known mesh sizes)."""
+    chunks = cfg.model.moe.ep_chunks
+    if chunks == 1 or sizes.get("expert", 1) == 1 or "context" not in sizes:
+        return
+    tokens = micro_batch_size * cfg.data.seq_len // sizes["context"]
+    if tokens % chunks:
+        raise ConfigError("model.moe.ep_chunks", f"{chunks} chunks do not divide the {tokens} tokens per device "
+                                                 "(train.micro_batch_size x data.seq_len / parallel.context)")
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -79,14 +94,18 @@ def capacity(tokens: int, k: int, ranks: int, local_experts: int, factor: Option
     return max(1, min(worst, math.ceil(factor * tokens * k / ranks)))
 
 
-def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, capacity_factor: Optional[float],
-             plain: Callable):
+def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain: Callable, moe):
     """Routed experts over the ``expert`` axis. x [B, S, D]; experts (ids) and weights (combine weights, fp32)
     [B, S, k]; ``expert_weights``: arrays whose leading axis is the experts (logical ``experts``);
-    ``ffn(rows sorted by expert, group_sizes [E_local], *local expert weights) -> rows`` (fp32 or x's dtype).
+    ``ffn(rows sorted by expert, group_sizes [E_local], *local expert weights) -> rows`` (fp32 or x's dtype);
+    ``moe``: the model's MoE config (``ep_dispatch``, ``ep_capacity_factor``, ``ep_chunks``).
     Returns (y [B, S, D] in x's dtype, dropped assignments as an fp32 scalar). Without an expert axis of size
     > 1 (or a batch that does not split over the devices, e.g. a few prompts in generation), ``plain()``:
-    the dropless dispatch on the whole batch, which GSPMD runs on the same split weights."""
+    the dropless dispatch on the whole batch, which GSPMD runs on the same split weights.
+
+    ``ep_chunks`` > 1 splits each device's tokens into that many chunks dispatched one after the other, so
+    that XLA can run one chunk's all-to-all while another's experts compute (a device with fewer tokens, as
+    in decoding, dispatches them at once: the result is the same)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -106,13 +125,23 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, capac
     if x.shape[0] % n_batch or x.shape[1] % n_seq:
         return plain()
     ep = math.prod(mesh.shape[a] for a in ep_axes)
-    b, s, k = x.shape[0] // n_batch, x.shape[1] // n_seq, experts.shape[-1]
+    t, k = (x.shape[0] // n_batch) * (x.shape[1] // n_seq), experts.shape[-1]
+    chunks = moe.ep_chunks if t % moe.ep_chunks == 0 else 1
     local_experts = expert_weights[0].shape[0] // ep
-    cap = capacity(b * s, k, ep, local_experts, capacity_factor)
+    cap = capacity(t // chunks, k, ep, local_experts, moe.ep_capacity_factor)
+
+    def one(x, experts, weights, local_weights):
+        if moe.ep_dispatch == "ragged_all_to_all":
+            return _ragged_exchange(x, experts, weights, local_weights, ffn, ep_axes, ep)
+        return _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap)
 
     def body(x, experts, weights, *local_weights):
-        y, dropped = _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap)
-        return y, dropped.reshape(1, 1)
+        import jax.numpy as jnp
+
+        parts = [a.reshape(chunks, 1, t // chunks, a.shape[-1]) for a in (x, experts, weights)]
+        outs = [one(*(p[c] for p in parts), local_weights) for c in range(chunks)]
+        y = jnp.concatenate([o[0] for o in outs], axis=1).reshape(x.shape)
+        return y, sum(o[1] for o in outs).reshape(1, 1)
 
     tokens = P(batch or None, seq or None, None)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens) + tuple(
@@ -145,10 +174,60 @@ def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int):
     ids = jnp.full((ep * cap,), local_experts, jnp.int32).at[slot].set(flat % local_experts, mode="drop")
     exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731  chunk j <-> rank j
     rows, row_ids = exchange(send), exchange(ids)
-    order = jnp.argsort(row_ids, stable=True)
-    group_sizes = jnp.bincount(row_ids, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    out = ffn(jnp.take(rows, order, axis=0), group_sizes, *local_weights)  # empty slots: past every group, 0
-    out = exchange(jnp.take(out, jnp.argsort(order), axis=0).astype(x.dtype))
+    out = exchange(_run_experts(rows, row_ids, local_weights, ffn).astype(x.dtype))
     y = out.at[slot].get(mode="fill", fill_value=0)                          # dropped assignments read zeros
     combined = jnp.sum((y.astype(jnp.float32) * choice_major(weights)[:, None]).reshape(k, t, d), axis=0)
     return combined.astype(x.dtype).reshape(b, s, d), jnp.sum(~kept).astype(jnp.float32)
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all`` (GPU); the CPU tests put an all_gather emulation of its semantics here."""
+    import jax
+
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=axis_name)
+
+
+def _run_experts(rows, row_ids, local_weights, ffn):
+    """Received rows (slot ids: local expert, or ``local_experts`` for an empty slot) through the grouped
+    matmuls, returned in the order they came."""
+    import jax.numpy as jnp
+
+    local_experts = local_weights[0].shape[0]
+    order = jnp.argsort(row_ids, stable=True)
+    group_sizes = jnp.bincount(row_ids, length=local_experts + 1)[:local_experts].astype(jnp.int32)
+    out = ffn(jnp.take(rows, order, axis=0), group_sizes, *local_weights)  # empty slots: past every group, 0
+    return jnp.take(out, jnp.argsort(order), axis=0)
+
+
+def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int):
+    """``ep_dispatch=ragged_all_to_all``: each device sorts its T*k assignments by expert (so by destination
+    rank), trades per-rank counts and offsets with two small all_to_alls, and sends exactly its rows with
+    ``ragged_all_to_all`` into a static worst-case receive buffer (EP * T * min(k, E/EP) rows: nothing is
+    dropped); the results come back the same way with send and receive roles swapped."""
+    import jax
+    import jax.numpy as jnp
+
+    b, s, d = x.shape
+    t, k = b * s, experts.shape[-1]
+    local_experts = local_weights[0].shape[0]
+    flat = experts.reshape(-1)                                # token-major: assignment i is token i // k
+    order = jnp.argsort(flat, stable=True)                    # by expert, hence by destination rank
+    send = jnp.take(x.reshape(t, d), order // k, axis=0)
+    send_sizes = jnp.bincount(flat // local_experts, length=ep).astype(jnp.int32)
+    exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731  entry j <-> rank j
+    recv_sizes = exchange(send_sizes)
+    send_offsets, recv_offsets = (jnp.cumsum(n) - n for n in (send_sizes, recv_sizes))
+    # where this device's chunk starts in each peer's receive buffer, and (the way back) in its send buffer
+    peer_recv_offsets, peer_send_offsets = exchange(recv_offsets), exchange(send_offsets)
+    rows_max = ep * t * min(k, local_experts)
+    there = lambda a, out: ragged_all_to_all(a, out, send_offsets, send_sizes, peer_recv_offsets,  # noqa: E731
+                                             recv_sizes, axis_name=axes)
+    rows = there(send, jnp.zeros((rows_max, d), x.dtype))
+    row_ids = there(jnp.take(flat, order) % local_experts, jnp.full((rows_max,), local_experts, jnp.int32))
+    out = _run_experts(rows, row_ids, local_weights, ffn).astype(x.dtype)
+    back = ragged_all_to_all(out, jnp.zeros((t * k, d), x.dtype), recv_offsets, recv_sizes, peer_send_offsets,
+                             send_sizes, axis_name=axes)
+    y = jnp.zeros_like(back).at[order].set(back)              # back to token-major assignment order
+    combined = jnp.sum(y.astype(jnp.float32).reshape(t, k, d) * weights.reshape(t, k, 1), axis=1)
+    return combined.astype(x.dtype).reshape(b, s, d), jnp.zeros((), jnp.float32)
