@@ -155,12 +155,15 @@ def check_moe_gemm(moe_gemm: str) -> None:
 MOE_GEMM_NOTES = {
     "as_compiled": "MoE: the roofline runs the routed experts as compiled, their FLOPs counted in the optimized "
                    "HLO: dropless jax.lax.ragged_dot is lowered by XLA to a group-masked dense matmul (E x a "
-                   "grouped GEMM's FLOPs), capacity dispatch to dense einsums over the capacity slots, both on "
-                   "the rows GSPMD gives each device (the dispatch gathers the global micro batch)",
-    "grouped": "MoE: the roofline assumes a grouped-GEMM kernel over a dispatch that keeps tokens on their "
-               "device (neither is built: jaxtron compiles ragged_dot's masked dense fallback): the routed "
-               "experts execute their active FLOPs only and the dispatch's collectives over the batch axes "
-               "are left out; memory is still the compiled program's",
+                   "grouped GEMM's FLOPs; E/parallel.expert with expert parallelism), capacity dispatch to "
+                   "dense einsums over the capacity slots, on the rows each device gets (without "
+                   "parallel.expert GSPMD gathers the global micro batch; with it, each device's exchange "
+                   "buffers)",
+    "grouped": "MoE: the roofline assumes a grouped-GEMM kernel (model.moe.gmm_impl=pallas; not timed on a "
+               "GPU) over a dispatch that keeps tokens on their device (parallel.expert's, or one like it): "
+               "the routed experts execute their active FLOPs only; the expert-parallel all-to-all stays, "
+               "GSPMD's dispatch collectives over the batch axes are left out; memory is still the compiled "
+               "program's",
 }
 
 
@@ -184,7 +187,8 @@ def moe_section(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gem
 def layout_overrides(cfg: Config) -> str:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     mbs = t.micro_batch_size if t.micro_batch_size is not None else "null"
-    return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} parallel.context={p.context} "
+    ep = f"parallel.expert={p.expert} " if cfg.model.moe.num_experts else ""
+    return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} {ep}parallel.context={p.context} "
             f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage=1 "
             f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
             f"model.remat={m.remat}")
@@ -311,17 +315,20 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
     splits = [(t, c) for t in pm.divisors(num_gpus)
               if t <= gpus_per_node and not any(w % t for w in widths)
               for c in contexts(cfg, num_gpus // t)]
+    num_experts = m.moe.num_experts if m.moe.dispatch == "dropless" else 0  # EP runs the dropless dispatch
     for tensor, context in splits:
         rest = num_gpus // (tensor * context)
-        for fsdp in pm.divisors(rest):
-            data = rest // fsdp
-            dp = data * fsdp
+        for expert, fsdp in [(e, f) for e in pm.divisors(rest) if e == 1 or (num_experts and num_experts % e == 0)
+                             for f in pm.divisors(rest // e)]:
+            data = rest // (expert * fsdp)
+            dp = data * fsdp * expert
             if gbs % dp:
                 continue
             mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16]
             for mbs, remat in itertools.product(mbs_opts, remats):
                 c = copy.deepcopy(cfg)
                 c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, 1
+                c.parallel.expert = expert
                 c.parallel.context = context
                 if context > 1:  # the flash kernels do not take context > 1: the ring attends in query tiles
                     c.parallel.context_impl, c.model.attention_impl = "ring", "xla"

@@ -1,6 +1,6 @@
 """Collective traffic read from the optimized HLO text of a compiled step (``compiled.as_text()``).
 
-Every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute is found (sync or async:
+Every all-gather, reduce-scatter, all-reduce, all-to-all (and ragged) and collective-permute is found (sync or async:
 ``*-start``/``*-done`` pairs are counted once, at the op that carries the replica groups), its result shape and
 replica groups are parsed, and it is multiplied by how many times it runs: an op inside a ``while`` body (the
 scan over layers, the gradient-accumulation loop) runs ``known_trip_count`` times, nested loops multiply.
@@ -10,7 +10,8 @@ Bytes are per device. Two numbers per op:
 * ``result_bytes``: the size of the op's result on one device (what the closed forms in the tests count).
 * ``wire_bytes``: what one device sends over its links with the bandwidth-optimal (ring) algorithm, n = group
   size: all-gather ``R (n-1)/n`` (R = gathered result), reduce-scatter ``R (n-1)`` (R = scattered result, so
-  the input is ``n R``), all-reduce ``2 R (n-1)/n``, all-to-all ``R (n-1)/n``, collective-permute ``R``.
+  the input is ``n R``), all-reduce ``2 R (n-1)/n``, all-to-all ``R (n-1)/n`` (ragged: at most that, R being its worst-case buffer),
+  collective-permute ``R``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
@@ -173,7 +174,7 @@ class CollectiveOp:
             return r * (n - 1)
         if self.kind == "all-reduce":
             return 2 * r * (n - 1) / n
-        if self.kind == "all-to-all":
+        if self.kind in ("all-to-all", "ragged-all-to-all"):  # ragged: at most (its buffer is the worst case)
             return r * (n - 1) / n
         return r
 

@@ -56,19 +56,30 @@ def param_count(m, active: bool = False) -> int:
     return emb * (1 if m.tie_embeddings else 2) + layers + m.hidden_size
 
 
-def largest_layer_params(m) -> int:
-    return max(layer_params(m), layer_params(m, True) if moe_layer_count(m) else 0)
+def routed_expert_params(m) -> int:
+    """The routed experts' weights of all MoE layers: what ``parallel.expert`` splits."""
+    return moe_layer_count(m) * 3 * m.hidden_size * m.moe.expert_intermediate_size * m.moe.num_experts
+
+
+def largest_layer_params(m, expert: int = 1) -> int:
+    """The largest layer's parameters on an expert rank (the routed experts split ``expert`` ways)."""
+    if not moe_layer_count(m):
+        return layer_params(m)
+    return max(layer_params(m), layer_params(m, True) - routed_expert_params(m) // moe_layer_count(m)
+               * (expert - 1) // expert)
 
 
 def closed_form_state_bytes(cfg: Config, layout: Layout) -> dict:
     """Per-device bytes of params, AdamW state and gradients: every matrix is split over fsdp x context (its
-    hidden dim) and tensor (heads / mlp / vocab); norms and biases are small and counted as split the same way."""
+    hidden dim) and tensor (heads / mlp / vocab), the routed experts also over expert; norms and biases are
+    small and counted as split the same way."""
     m = cfg.model
     pbytes = 2 if m.param_dtype in ("bfloat16", "float16") else (8 if m.param_dtype == "float64" else 4)
     n = param_count(m)
+    local = n - routed_expert_params(m) * (layout.expert - 1) / layout.expert
     shard = layout.zero_shards * layout.tp
-    return {"params": n * pbytes / shard, "optimizer": 2 * n * pbytes / shard, "grads": n * pbytes / shard,
-            "param_count": n}
+    return {"params": local * pbytes / shard, "optimizer": 2 * local * pbytes / shard,
+            "grads": local * pbytes / shard, "param_count": n}
 
 
 def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str, moe: bool = False) -> float:
@@ -113,7 +124,7 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     saved = tokens * _act_bytes_per_token(m, t, sp, m.remat)
     working = _working_bytes(cfg, layout, tokens, sp)
     logits = tokens * m.vocab_size / t * (2 + 4 + 4)
-    gathered = 2 * 2 * largest_layer_params(m) / t if layout.zero_shards > 1 else 0
+    gathered = 2 * 2 * largest_layer_params(m, layout.expert) / t if layout.zero_shards > 1 else 0
     acc = st["grads"] if layout.accumulation_steps > 1 else 0
     temp = saved + working + logits + gathered + acc + st["grads"]
     total = st["params"] + st["optimizer"] + temp
@@ -169,15 +180,20 @@ def _comm(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndar
     dispatch's collectives carry activations (critical path); under ``grouped`` (a dispatch that keeps tokens
     on their device) those spanning the batch axes are left out."""
     moe = bool(moe_layer_count(cfg.model))
+    ep = moe and pmoe.expert_parallel(cfg, layout)
     out = {"exposed": 0.0, "overlappable": 0.0, "by_link": {"nvlink": 0.0, "network": 0.0}, "per_kind": {}}
     for op in ops:
         axes, cross = classify(op, layout, node_of)
-        dispatch = moe and bool(pmoe.DISPATCH_COLLECTIVES.search(op.op_name))
+        dispatch = moe and bool(pmoe.DISPATCH_COLLECTIVES.search(op.op_name)) and (
+            not ep or op.kind in pmoe.EXCHANGES)
         if op.wire_bytes == 0 or (dispatch and moe_gemm == "grouped" and not layout.on_critical_path(axes)):
             continue
+        wire = op.wire_bytes
+        if op.kind == "ragged-all-to-all" and ep:  # its buffers are the worst case; it sends the routed rows
+            wire *= pmoe.ragged_sent_fraction(cfg, layout)
         bw = (gpu.net_gbps if cross else gpu.nvlink_gbps) * 1e9 * gpu.comm_efficiency
-        secs = op.count * (op.wire_bytes / bw + gpu.collective_latency_us * 1e-6)
-        out["by_link"]["network" if cross else "nvlink"] += op.wire_bytes * op.count
+        secs = op.count * (wire / bw + gpu.collective_latency_us * 1e-6)
+        out["by_link"]["network" if cross else "nvlink"] += wire * op.count
         out["exposed" if dispatch or layout.on_critical_path(axes) else "overlappable"] += secs
         out["per_kind"][op.kind] = out["per_kind"].get(op.kind, 0.0) + secs
     return out
@@ -231,7 +247,9 @@ def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
         secs += max(0.0, exposed_fsdp - 0.8 * model_flops(cfg, "causal") / num_gpus / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency))
     if d > 1:
         secs += 2 * 4 * n / (f * t) * (d - 1) / d / bw(num_gpus)
-    if moe_layer_count(m) and moe_gemm == "as_compiled":
+    if moe_layer_count(m) and pmoe.expert_parallel(cfg, layout):  # the exchange, whatever the GEMM
+        secs += pmoe.dispatch_comm_bytes(cfg, layout) / bw(layout.expert * layout.context * t)
+    elif moe_layer_count(m) and moe_gemm == "as_compiled":
         secs += pmoe.dispatch_comm_bytes(cfg, layout) / bw(layout.dp * t)
     return secs
 

@@ -15,8 +15,17 @@ candidates before compiling):
 * ``capacity`` runs dense einsums over ``E x C`` slots, ``C = ceil(capacity_factor x T x k / E)`` with T the
   tokens of the global micro batch (gathered the same way): ``capacity_factor`` times the active FLOPs.
 
-A grouped-GEMM kernel over a dispatch that keeps each device's tokens local (neither is built) would execute
-the active FLOPs, split like the rest of the model: Megatron's MoE count (:func:`jaxtron.train.flops.moe_ffn_flops`).
+With expert parallelism (``parallel.expert`` > 1, dropless) the dispatch is jaxtron's own
+(:mod:`jaxtron.parallel.expert`): each device keeps its tokens (``t = micro batch x seq / context``) and
+exchanges buffers of ``EP x C`` rows, ``C = min(ceil(ep_capacity_factor x t x k / EP), t x min(k, E/EP))`` per
+peer (the second term, the worst case, when the factor is null or with ``ragged_all_to_all``), over the
+``expert`` axis with all-to-all, forward and backward; the received rows run through the local experts'
+grouped matmuls (masked over the E/EP local experts as compiled), their hidden dim gathered (the experts enter
+the dispatch's shard_map split over ``expert`` only) and their width split over tensor. ``ragged_all_to_all``
+moves only the rows sent (t x k per device when the load is balanced) though its buffers are the worst case.
+
+A grouped-GEMM kernel (``model.moe.gmm_impl=pallas``) runs only the rows of real groups: the active FLOPs,
+split like the rest of the model: Megatron's MoE count (:func:`jaxtron.train.flops.moe_ffn_flops`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import math
 import re
 
 from jaxtron.config import Config
+from jaxtron.parallel.expert import capacity
 from jaxtron.parallel.layout import Layout
 from jaxtron.train.flops import moe_layer_count
 
@@ -32,8 +42,34 @@ GEMMS = ("as_compiled", "grouped")
 # Name scopes of jaxtron/model/moe.py, found in the op_name metadata of the optimized HLO: the routed experts'
 # matmuls are the dots under moe_experts; the collectives GSPMD inserts under either scope (gathering the
 # assignments and tokens, reducing the experts' split contraction) carry activations the next op waits for.
+# With expert parallelism only the exchanges are such: the expert weights' FSDP gathers at the dispatch's
+# shard_map boundary carry the same scope but overlap like every other weight gather.
 EXPERT_MATMULS = r"moe_experts/"
 DISPATCH_COLLECTIVES = re.compile(r"moe_router/|moe_experts/")
+EXCHANGES = ("all-to-all", "ragged-all-to-all")
+
+
+def expert_parallel(cfg: Config, layout: Layout) -> bool:
+    """Whether the dropless dispatch runs over the ``expert`` axis (jaxtron.parallel.expert)."""
+    return layout.expert > 1 and cfg.model.moe.dispatch == "dropless"
+
+
+def ep_rows(cfg: Config, layout: Layout) -> int:
+    """EP x C rows each device receives per MoE layer and micro batch (module doc), summed over the
+    ``ep_chunks`` chunks its tokens are dispatched in."""
+    e = cfg.model.moe
+    t = layout.micro_batch_size * cfg.data.seq_len // layout.context
+    chunks = e.ep_chunks if t % e.ep_chunks == 0 else 1
+    factor = e.ep_capacity_factor if e.ep_dispatch == "all_to_all" else None
+    per_chunk = capacity(t // chunks, e.num_experts_per_token, layout.expert, e.num_experts // layout.expert,
+                         factor)
+    return chunks * layout.expert * per_chunk
+
+
+def ragged_sent_fraction(cfg: Config, layout: Layout) -> float:
+    """``ragged_all_to_all``: the rows sent over the buffer's rows, for a balanced load (t x k of EP x C)."""
+    t = layout.micro_batch_size * cfg.data.seq_len // layout.context
+    return min(1.0, t * cfg.model.moe.num_experts_per_token / ep_rows(cfg, layout))
 
 
 def shared_width(m) -> int:
@@ -53,8 +89,11 @@ def ffn_params(m, active: bool = False) -> int:
 
 def dispatch_rows(cfg: Config, layout: Layout) -> float:
     """Rows each device's routed-expert matmuls run on, per MoE layer and micro batch, as compiled (module
-    doc): the assignments of the global micro batch, or the E x C capacity slots."""
+    doc): the assignments of the global micro batch, or the E x C capacity slots, or with expert parallelism
+    the EP x C received rows."""
     e = cfg.model.moe
+    if expert_parallel(cfg, layout):
+        return ep_rows(cfg, layout)
     tokens = layout.micro_batch_size * layout.dp * cfg.data.seq_len
     if e.dispatch == "capacity":
         return e.num_experts * math.ceil(e.capacity_factor * tokens * e.num_experts_per_token / e.num_experts)
@@ -73,9 +112,24 @@ def expert_flops_per_device(cfg: Config, layout: Layout, gemm: str) -> float:
     if gemm == "grouped":
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         return layers * 2 * 3 * d * f * e.num_experts_per_token * tokens / layout.num_devices
-    masked = e.num_experts if e.dispatch == "dropless" else 1
-    per_micro = 2 * 3 * dispatch_rows(cfg, layout) * masked * d / layout.zero_shards * f / layout.tp
+    masked = _masked_groups(cfg, layout)
+    per_micro = 2 * 3 * dispatch_rows(cfg, layout) * masked * _contraction(cfg, layout) * f / layout.tp
     return layers * per_micro * layout.accumulation_steps
+
+
+def _masked_groups(cfg: Config, layout: Layout) -> int:
+    """Experts each dispatched row is multiplied by as compiled (ragged_dot's masked dense fallback)."""
+    e = cfg.model.moe
+    if e.dispatch != "dropless":
+        return 1
+    return e.num_experts // layout.expert if expert_parallel(cfg, layout) else e.num_experts
+
+
+def _contraction(cfg: Config, layout: Layout) -> float:
+    """The experts' hidden dim as each device multiplies it: gathered inside the expert-parallel dispatch,
+    split over fsdp x context by GSPMD otherwise."""
+    d = cfg.model.hidden_size
+    return d if expert_parallel(cfg, layout) else d / layout.zero_shards
 
 
 def act_bytes_per_token(m, t: int, remat: str) -> float:
@@ -94,8 +148,8 @@ def working_bytes(cfg: Config, layout: Layout) -> float:
     inputs expanded E times (bf16) and their fp32 outputs on the dispatched rows, forward and backward."""
     m, e = cfg.model, cfg.model.moe
     rows = dispatch_rows(cfg, layout)
-    d, f = m.hidden_size / layout.zero_shards, e.expert_intermediate_size / layout.tp
-    expand = e.num_experts if e.dispatch == "dropless" else 1
+    d, f = _contraction(cfg, layout), e.expert_intermediate_size / layout.tp
+    expand = _masked_groups(cfg, layout)
     return 2 * (2 * rows * expand * (d + f) + 4 * rows * (2 * f + d))
 
 
@@ -109,12 +163,29 @@ def hbm_bytes(cfg: Config, layout: Layout, gemm: str) -> float:
 
 
 def dispatch_comm_bytes(cfg: Config, layout: Layout) -> float:
-    """Wire bytes per device per step of the dispatch's collectives as compiled (ranking only): the fp32
-    partial sums of the experts' split matmuls all-reduced, about twice their size on the wire, forward,
-    backward and recomputation."""
+    """Wire bytes per device per step of the dispatch's collectives (ranking only). Expert parallelism: the
+    bf16 rows exchanged there and back, forward, backward and recomputation (:func:`exchange_bytes`). As
+    compiled without it: the fp32 partial sums of the experts' split matmuls all-reduced, about twice their
+    size on the wire, forward, backward and recomputation."""
     if layout.num_devices == 1:
         return 0.0
+    if expert_parallel(cfg, layout):
+        return exchange_bytes(cfg, layout)
     m, e = cfg.model, cfg.model.moe
     width = 2 * e.expert_intermediate_size / layout.tp + m.hidden_size
     passes = 3 * remat_factor(cfg)
     return moe_layer_count(m) * passes * 2 * 4 * dispatch_rows(cfg, layout) * width * layout.accumulation_steps
+
+
+def exchange_bytes(cfg: Config, layout: Layout) -> float:
+    """All-to-all wire bytes per device per step of the expert-parallel dispatch: per MoE layer and micro
+    batch, two exchanges of EP x C bf16 rows of the hidden size forward and two backward (two more under
+    remat=full: the recomputation re-sends), (EP-1)/EP of each leaving the device; ragged_all_to_all
+    sends only the rows routed there (:func:`ragged_sent_fraction`)."""
+    e, ep = cfg.model.moe, layout.expert
+    exchanges = 4 + (2 if cfg.model.remat == "full" else 0)
+    rows = dispatch_rows(cfg, layout)
+    if e.ep_dispatch == "ragged_all_to_all":
+        rows *= ragged_sent_fraction(cfg, layout)
+    per_exchange = rows * cfg.model.hidden_size * 2 * (ep - 1) / ep
+    return moe_layer_count(cfg.model) * exchanges * per_exchange * layout.accumulation_steps

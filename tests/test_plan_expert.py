@@ -1,0 +1,78 @@
+"""The planner with expert parallelism (issue 25): the closed forms of jaxtron/plan/moe.py for the expert-parallel
+dispatch (state split over ``expert``, the masked expert matmuls on the exchange buffers, the all-to-all bytes)
+against a compiled step's own numbers, ``--search`` trying the expert axis, and the ``ragged_all_to_all``
+dispatch compiled by XLA:GPU for H100s (it cannot run on XLA:CPU)."""
+
+import pytest
+
+from jaxtron import config as config_lib
+from jaxtron.parallel.layout import Layout
+from jaxtron.plan import candidate_configs, get_gpu
+from jaxtron.plan import model as pm
+from jaxtron.plan import moe as pmoe
+from test_plan import MOE, _cli, needs_xla_gpu
+
+EP = ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1")
+
+
+@needs_xla_gpu
+def test_expert_parallel_plan_matches_its_closed_forms():
+    """expert 2 x fsdp 2 x tensor 2 compiled for 8 H100s (4 experts, 2 per rank, top-2, 16 x 32 tokens, bf16):
+    the compiled state, the expert matmul FLOPs counted in the HLO and the all-to-all bytes equal the closed
+    forms the search ranks with. (XLA:CPU would exchange the bf16 rows as fp32: twice the bytes.)"""
+    cfg = config_lib.load(None, MOE + list(EP))
+    layout = Layout.planned(cfg, 8)
+    r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, *EP)
+    assert r["mesh"]["expert"] == 2 and "parallel.expert=2" in r["overrides"]
+    state = pm.closed_form_state_bytes(cfg, layout)
+    # the routed experts split over expert x fsdp x tensor, the rest over fsdp x tensor (norms and the router's
+    # expert axis are not split: 2% more)
+    assert r["memory"]["params"] == pytest.approx(state["params"], rel=0.02)
+    no_ep = Layout.planned(config_lib.load(None, MOE + ["parallel.fsdp=2", "parallel.tensor=2"]), 8)
+    assert state["params"] < pm.closed_form_state_bytes(cfg, no_ep)["params"]
+    # each device keeps its 4 x 32 tokens and receives EP x C = 2 x 256 rows (worst case: C = t x min(k, 2))
+    assert pmoe.dispatch_rows(cfg, layout) == 2 * 256
+    executed = r["moe"]["expert_matmul_flops_per_device"]["as_compiled_hlo"]
+    assert executed == pytest.approx(pmoe.expert_flops_per_device(cfg, layout, "as_compiled"), rel=0.01)
+    a2a = r["collectives"]["all-to-all"]
+    # the rows' exchanges; the slot ids and the counts (int32, one per row) add 1/32 of that
+    assert pmoe.exchange_bytes(cfg, layout) <= a2a["wire_bytes"] <= 1.04 * pmoe.exchange_bytes(cfg, layout)
+    assert r["roofline"]["exposed_comm_s"] > 0
+
+
+def test_search_tries_expert_sizes_that_divide_the_experts():
+    cfg = config_lib.load(None, MOE + ["model.moe.num_experts=6"])
+    sizes = {c.parallel.expert for c in candidate_configs(cfg, 8)}
+    assert sizes == {1, 2}  # 6 experts: 4 and 8 do not divide them
+    for c in candidate_configs(cfg, 8):
+        assert c.parallel.data * c.parallel.fsdp * c.parallel.expert * c.parallel.tensor == 8
+    capacity = config_lib.load(None, MOE + ["model.moe.dispatch=capacity"])
+    assert {c.parallel.expert for c in candidate_configs(capacity, 8)} == {1}  # EP runs the dropless dispatch
+
+
+def test_closed_form_ranks_expert_parallelism_first_for_qwen3_30b_a3b():
+    """Without compiling: on 16 H100s the fastest Qwen3-30B-A3B candidate (exchange buffers of 1.25 x the
+    balanced share: top-8 of 128 experts makes the worst case 16 x that) that the closed-form memory keeps
+    splits the experts."""
+    cfg = config_lib.load("qwen3_30b_a3b", ["model.moe.ep_capacity_factor=1.25"])
+    gpu = get_gpu("h100")
+    best = None
+    for c in candidate_configs(cfg, 16):
+        layout = Layout.planned(c, 16)
+        if pm.closed_form_memory(c, layout)["total"] > gpu.usable_bytes:
+            continue
+        t = pm.closed_form_step_s(c, layout, gpu, 16, "grouped")
+        best = min(best or (t, c), (t, c), key=lambda x: x[0])
+    assert best is not None and best[1].parallel.expert > 1, best and best[1].parallel
+
+
+@needs_xla_gpu
+def test_xla_gpu_compiles_the_ragged_all_to_all_dispatch_with_the_pallas_grouped_matmul():
+    """ep_dispatch=ragged_all_to_all and gmm_impl=pallas in the whole train step, lowered for cuda and
+    compiled for 8 H100s: the exchanges are ragged all-to-alls and the expert matmuls Triton calls."""
+    r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, "parallel.expert=4", "parallel.data=2",
+             "model.moe.ep_dispatch=ragged_all_to_all", "model.moe.gmm_impl=pallas")
+    assert r["compiler"] == "XLA:GPU" and r["memory"]["fits"] and r["mesh"]["expert"] == 4
+    ragged = r["collectives"]["ragged-all-to-all"]
+    assert ragged["ops"] >= 3, r["collectives"]  # rows, slot ids and results forward; their transposes
+    assert r["moe"]["expert_matmul_flops_per_device"]["as_compiled_hlo"] == 0  # custom calls, not HLO dots
