@@ -102,12 +102,37 @@ def _drop_mask(experts: np.ndarray, rows_per_device: int, seq: int, ranks: int, 
     return drop
 
 
-def test_small_capacity_drops_exactly_the_overflow_of_each_rank_buffer():
+def _ragged_drop_mask(experts: np.ndarray, rows_per_device: int, seq: int, ranks: int, local: int, rows_max: int):
+    """[T, k] dropped assignments of ragged_all_to_all, counted directly: each receiver's buffer of
+    ``rows_max`` rows takes its senders' rows in sender rank order, each sender's in expert order."""
+    t, k = experts.shape
+    drop = np.zeros((t, k), bool)
+    per_device = rows_per_device * seq
+    for group in range(0, t // per_device, ranks):      # the devices that share an expert axis
+        for receiver in range(ranks):
+            filled = 0
+            for sender in range(ranks):
+                start = (group + sender) * per_device
+                choices = experts[start:start + per_device].reshape(-1)  # token-major
+                for i in np.argsort(choices, kind="stable"):
+                    if choices[i] // local == receiver:
+                        drop[start + i // k, i % k] = filled >= rows_max
+                        filled += 1
+    return drop
+
+
+@pytest.mark.parametrize("ep_dispatch", ["all_to_all", "ragged_all_to_all"])
+def test_small_capacity_drops_exactly_the_overflow_of_each_rank_buffer(ep_dispatch, monkeypatch):
     """expert 4 x data 2, ep_capacity_factor 0.5: the layer's dropped count equals a direct count, its output
-    equals the token-by-token reference without the dropped assignments, and the step exchanges tokens with
-    all-to-all."""
+    equals the token-by-token reference without the dropped assignments, and the step exchanges with
+    all-to-all. all_to_all drops past each per-rank send buffer; ragged_all_to_all (the collective emulated on
+    CPU) past each receive buffer of 4 x that."""
+    from jaxtron.parallel import expert
+
+    monkeypatch.setattr(expert, "ragged_all_to_all", _emulated_ragged_all_to_all)
     factor, b, s = 0.5, 8, 16
-    layout, layer = _layer_on(("parallel.expert=4", "parallel.data=2", f"model.moe.ep_capacity_factor={factor}"))
+    layout, layer = _layer_on(("parallel.expert=4", "parallel.data=2", f"model.moe.ep_capacity_factor={factor}"),
+                              ep_dispatch)
     x = np.random.default_rng(1).normal(size=(b, s, 64)).astype(np.float32)
     graphdef, state = nnx.split(layer)
     with layout.tracing():
@@ -120,7 +145,10 @@ def test_small_capacity_drops_exactly_the_overflow_of_each_rank_buffer():
     rows = b // 8  # one batch row per device (data 2 x expert 4)
     cap = capacity(rows * s, 2, 4, 2, factor)
     assert cap == 4  # ceil(0.5 * 16 tokens * 2 / 4 ranks)
-    drop = _drop_mask(experts, rows, s, 4, 2, cap)
+    if ep_dispatch == "all_to_all":
+        drop = _drop_mask(experts, rows, s, 4, 2, cap)
+    else:
+        drop = _ragged_drop_mask(experts, rows, s, 4, 2, 4 * cap)
     assert 0 < drop.sum() < drop.size
     assert float(stats["dropped"]) == drop.sum()
     ref, _ = _np_moe(layer, x, drop)

@@ -84,14 +84,17 @@ class MoEConfig:
     ep_dispatch: str = _f("all_to_all", "With parallel.expert > 1, how dropless dispatch sends tokens to their "
                                         "experts' ranks: 'all_to_all' (fixed per-rank buffers of "
                                         "ep_capacity_factor, jax.lax.all_to_all; any platform) or "
-                                        "'ragged_all_to_all' (exact-size exchange into a worst-case receive buffer, "
-                                        "dropless; jax.lax.ragged_all_to_all, GPUs only).")
+                                        "'ragged_all_to_all' (exact-size exchange into a receive buffer of "
+                                        "ep_capacity_factor, jax.lax.ragged_all_to_all; GPUs only).")
     ep_capacity_factor: Optional[float] = _f(None, "all_to_all dispatch: rows per destination rank in each "
                                                    "device's send buffer as a multiple of the balanced share, "
                                                    "ceil(factor * tokens * k / parallel.expert); assignments "
                                                    "past it are dropped and counted in moe_dropped. null: the "
                                                    "worst case tokens * min(k, experts per rank), nothing "
-                                                   "dropped (buffers parallel.expert times the balanced size).")
+                                                   "dropped (buffers parallel.expert times the balanced size). "
+                                                   "ragged_all_to_all: each device's receive buffer is "
+                                                   "parallel.expert times that, filled in sender order; rows "
+                                                   "past it are dropped and counted.")
     ep_chunks: int = _f(1, "With parallel.expert > 1: split each device's tokens into this many chunks, each "
                            "dispatched on its own, so that XLA can overlap one chunk's all-to-all with another's "
                            "expert matmuls. The tokens per device (micro batch x seq / context) must divide.")

@@ -23,7 +23,8 @@ device packs only its own tokens; tensor (the experts' ``mlp`` dim) and stage st
 5. ``all_to_all`` sends the results back, and each assignment's row is combined with its routing weight.
 
 ``ep_dispatch=ragged_all_to_all`` (GPUs: XLA:CPU has no ragged all-to-all) sends each rank exactly its rows
-instead (:func:`_ragged_exchange`): no capacity, nothing dropped, the receive buffer sized for the worst case.
+instead (:func:`_ragged_exchange`) into one receive buffer of EP x C rows: the same memory, only the routed
+rows on the wire, and what is dropped past a small buffer is the tail of the last senders' rows.
 
 The expert weights enter the shard_map split over ``expert`` only, so FSDP's gather of them happens at its
 boundary and the transpose sums their gradients over the batch axes (``check_vma=False``: every output is
@@ -56,9 +57,6 @@ def check_expert(cfg: Config, expert: Optional[int], platform: Optional[str] = N
         raise ConfigError("parallel.expert", f"model.moe.num_experts={m.num_experts} is not divisible by "
                                              f"parallel.expert={expert}")
     if m.ep_dispatch == "ragged_all_to_all":
-        if m.ep_capacity_factor is not None:
-            raise ConfigError("model.moe.ep_capacity_factor", "applies to ep_dispatch=all_to_all only: "
-                                                              "ragged_all_to_all is dropless (null it)")
         if platform == "cpu":
             raise ConfigError("model.moe.ep_dispatch", "ragged_all_to_all runs on GPUs only (XLA:CPU has no "
                                                        "ragged all-to-all); use all_to_all")
@@ -132,7 +130,7 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
 
     def one(x, experts, weights, local_weights):
         if moe.ep_dispatch == "ragged_all_to_all":
-            return _ragged_exchange(x, experts, weights, local_weights, ffn, ep_axes, ep)
+            return _ragged_exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, ep * cap)
         return _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap)
 
     def body(x, experts, weights, *local_weights):
@@ -200,11 +198,14 @@ def _run_experts(rows, row_ids, local_weights, ffn):
     return jnp.take(out, jnp.argsort(order), axis=0)
 
 
-def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int):
+def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int, rows_max: int):
     """``ep_dispatch=ragged_all_to_all``: each device sorts its T*k assignments by expert (so by destination
-    rank), trades per-rank counts and offsets with two small all_to_alls, and sends exactly its rows with
-    ``ragged_all_to_all`` into a static worst-case receive buffer (EP * T * min(k, E/EP) rows: nothing is
-    dropped); the results come back the same way with send and receive roles swapped."""
+    rank), trades per-rank counts and offsets with small all_to_alls, and sends exactly its rows with
+    ``ragged_all_to_all`` into a static receive buffer of ``rows_max`` rows (EP x the all_to_all capacity;
+    at worst case, EP * T * min(k, E/EP), nothing is dropped); the results come back the same way with send
+    and receive roles swapped. A receiver fills its buffer in sender rank order: the rows past it (the tail of
+    the last senders' chunks, i.e. their highest local experts) are not sent, contribute zeros and are
+    counted as dropped."""
     import jax
     import jax.numpy as jnp
 
@@ -214,13 +215,14 @@ def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int):
     flat = experts.reshape(-1)                                # token-major: assignment i is token i // k
     order = jnp.argsort(flat, stable=True)                    # by expert, hence by destination rank
     send = jnp.take(x.reshape(t, d), order // k, axis=0)
-    send_sizes = jnp.bincount(flat // local_experts, length=ep).astype(jnp.int32)
+    wanted = jnp.bincount(flat // local_experts, length=ep).astype(jnp.int32)
     exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731  entry j <-> rank j
-    recv_sizes = exchange(send_sizes)
-    send_offsets, recv_offsets = (jnp.cumsum(n) - n for n in (send_sizes, recv_sizes))
+    offered = exchange(wanted)
+    recv_offsets = jnp.cumsum(offered) - offered
+    recv_sizes = jnp.clip(rows_max - recv_offsets, 0, offered)          # what fits, first senders first
+    send_sizes, send_offsets = exchange(recv_sizes), jnp.cumsum(wanted) - wanted
     # where this device's chunk starts in each peer's receive buffer, and (the way back) in its send buffer
     peer_recv_offsets, peer_send_offsets = exchange(recv_offsets), exchange(send_offsets)
-    rows_max = ep * t * min(k, local_experts)
     there = lambda a, out: ragged_all_to_all(a, out, send_offsets, send_sizes, peer_recv_offsets,  # noqa: E731
                                              recv_sizes, axis_name=axes)
     rows = there(send, jnp.zeros((rows_max, d), x.dtype))
@@ -230,4 +232,4 @@ def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int):
                              send_sizes, axis_name=axes)
     y = jnp.zeros_like(back).at[order].set(back)              # back to token-major assignment order
     combined = jnp.sum(y.astype(jnp.float32).reshape(t, k, d) * weights.reshape(t, k, 1), axis=1)
-    return combined.astype(x.dtype).reshape(b, s, d), jnp.zeros((), jnp.float32)
+    return combined.astype(x.dtype).reshape(b, s, d), jnp.sum(wanted - send_sizes).astype(jnp.float32)

@@ -18,11 +18,12 @@ candidates before compiling):
 With expert parallelism (``parallel.expert`` > 1, dropless) the dispatch is jaxtron's own
 (:mod:`jaxtron.parallel.expert`): each device keeps its tokens (``t = micro batch x seq / context``) and
 exchanges buffers of ``EP x C`` rows, ``C = min(ceil(ep_capacity_factor x t x k / EP), t x min(k, E/EP))`` per
-peer (the second term, the worst case, when the factor is null or with ``ragged_all_to_all``), over the
+peer (the second term, the worst case, when the factor is null), over the
 ``expert`` axis with all-to-all, forward and backward; the received rows run through the local experts'
 grouped matmuls (masked over the E/EP local experts as compiled), their hidden dim gathered (the experts enter
 the dispatch's shard_map split over ``expert`` only) and their width split over tensor. ``ragged_all_to_all``
-moves only the rows sent (t x k per device when the load is balanced) though its buffers are the worst case.
+receives into one buffer of the same EP x C rows but moves only the rows sent (t x k per device when the load
+is balanced).
 
 A grouped-GEMM kernel (``model.moe.gmm_impl=pallas``) runs only the rows of real groups: the active FLOPs,
 split like the rest of the model: Megatron's MoE count (:func:`jaxtron.train.flops.moe_ffn_flops`).
@@ -60,9 +61,8 @@ def ep_rows(cfg: Config, layout: Layout) -> int:
     e = cfg.model.moe
     t = layout.micro_batch_size * cfg.data.seq_len // layout.context
     chunks = e.ep_chunks if t % e.ep_chunks == 0 else 1
-    factor = e.ep_capacity_factor if e.ep_dispatch == "all_to_all" else None
     per_chunk = capacity(t // chunks, e.num_experts_per_token, layout.expert, e.num_experts // layout.expert,
-                         factor)
+                         e.ep_capacity_factor)
     return chunks * layout.expert * per_chunk
 
 
