@@ -16,6 +16,14 @@ TINY = [
 ]
 
 
+def cpu_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test's subprocess on ``devices`` virtual CPU devices, compiling as fast as the suite's
+    own processes do (conftest.FAST_COMPILE)."""
+    from conftest import FAST_COMPILE
+
+    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+
+
 def tiny_config(*overrides: str) -> config_lib.Config:
     return config_lib.load(None, TINY + list(overrides))
 

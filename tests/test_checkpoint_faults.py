@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from helpers import TINY
+from helpers import TINY, cpu_xla_flags
 from jaxtron.checkpoint.shards import WRITE_DELAY_ENV
 
 STEPS = 30
 COMMON = TINY + ["data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1",
                  "train.eval_every=0", "logging.log_every=1", f"train.steps={STEPS}"]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+ENV = {**os.environ, "XLA_FLAGS": cpu_xla_flags(1), "JAX_PLATFORMS": "cpu"}
 
 
 def _cmd(out, *extra):

@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 from jaxtron import config as config_lib  # noqa: E402
 from jaxtron.checkpoint import load_params  # noqa: E402
 from jaxtron.convert import hf  # noqa: E402
+from helpers import cpu_xla_flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 256
@@ -35,7 +36,7 @@ TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, 16), dtype=np.int6
 
 
 def _env(devices: int = 1) -> dict:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    return {**os.environ, "XLA_FLAGS": cpu_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
 
 
 def _run(args: list[str], module: str = "jaxtron.convert", devices: int = 1) -> subprocess.CompletedProcess:

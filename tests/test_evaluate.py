@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_config
+from helpers import cpu_xla_flags, tiny_config
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import Checkpointer
 from jaxtron.data.indexed import write_dataset
@@ -100,7 +100,7 @@ def test_evaluate_text_matches_direct(ckpt, tmp_path):
     # the CLI, as a user runs it
     text_file = tmp_path / "fib.txt"
     text_file.write_text(TEXT)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(1), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "jaxtron.evaluate", "--checkpoint", path, "--data", str(text_file),
                            "--seq-len", str(seq), "--batch-size", str(bs), "--json"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)

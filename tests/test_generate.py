@@ -24,6 +24,7 @@ from jaxtron.convert import checkpoint_io, hf  # noqa: E402
 from jaxtron.data.tokenizers import ByteLevelTokenizer  # noqa: E402
 from jaxtron.generate import __main__ as generate_cli  # noqa: E402
 from jaxtron.generate import generate, generate_no_cache, nucleus_mask, sample_logits  # noqa: E402
+from helpers import cpu_xla_flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8], [7, 1, 99]]  # different lengths: left padding is exercised
@@ -165,7 +166,7 @@ def jaxtron_ckpt(tmp_path_factory):
 def test_cli_on_jaxtron_checkpoint(jaxtron_ckpt):
     ckpt, hf_model = jaxtron_ckpt
     prompts = ["def main(", "x"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(1), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "jaxtron.generate", "--checkpoint", ckpt, "--prompt", prompts[0],
                            "--prompt", prompts[1], "--max-new-tokens", "6", "--json"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)

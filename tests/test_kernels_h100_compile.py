@@ -10,9 +10,8 @@ import sys
 import jax
 import pytest
 
+from conftest import FAST_COMPILE
 from helpers import xla_gpu_plugin_version
-
-
 
 PLUGIN = xla_gpu_plugin_version()
 pytestmark = pytest.mark.skipif(PLUGIN != jax.__version__,
@@ -23,6 +22,7 @@ def test_kernels_and_train_step_compile_for_h100():
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["XLA_FLAGS"] = FAST_COMPILE  # LLVM at -O0 (conftest): whether the kernels compile does not depend on it
     # The script's sys.path starts at tests/: put this checkout first, so that it compiles the kernels under test
     # and not those of wherever the package happens to be installed from.
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])

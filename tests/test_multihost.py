@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import TINY
+from helpers import TINY, cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = TINY + ["data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1",
@@ -26,7 +26,7 @@ def _env(devices, **extra):
     # executable and the other compiles it, could not agree on a Gloo context on XLA:CPU (jax 0.10.2: each
     # waited 30 s for the other's key, then failed).
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRON_") and k != "JAX_COMPILATION_CACHE_DIR"}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices), **extra)
     return env
 
 

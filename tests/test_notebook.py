@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from conftest import FAST_COMPILE
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -33,7 +35,7 @@ def test_quickstart_notebook_runs_on_cpu(tmp_path, monkeypatch):
     work.mkdir()
     monkeypatch.setenv("JUPYTER_PATH", _kernelspec(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device, as on a user's machine (conftest asks for 8)
+    monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE)  # one CPU device, as on a user's machine (conftest asks for 8)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on a user's machine: jaxtron picks the CPU
     nb = nbformat.read(NOTEBOOK, as_version=4)
     t0 = time.perf_counter()

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import NONZERO_LR, assert_same_training, synthetic_batch, tiny_config, training_record
+from helpers import (NONZERO_LR, assert_same_training, cpu_xla_flags, synthetic_batch, tiny_config,
+                     training_record)
 from jaxtron.config import ConfigError
 from jaxtron.train.loop import Trainer, put_batch
 
@@ -172,7 +173,7 @@ def _cli_metrics(out, devices: int, *overrides: str) -> list[dict]:
     cmd = [sys.executable, "-m", "jaxtron.train", "model.num_layers=8", "train.steps=3", "train.micro_batch_size=1",
            "checkpoint.enabled=false", "logging.log_every=1", "logging.progress=false", *NONZERO_LR,
            f"train.output_dir={out}", *overrides]
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(devices)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

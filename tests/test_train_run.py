@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from helpers import tiny_config
+from helpers import cpu_xla_flags, tiny_config
 from jaxtron import config as config_lib
 from jaxtron.data import BuiltinCorpus
 
@@ -25,7 +25,7 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     # overrides on both sides of --config; logging.progress stays true: stderr is not a terminal, so no bar
     cmd = [sys.executable, "-m", "jaxtron.train", "train.steps=40", "logging.log_every=10", "--config", "tiny",
            "train.eval_every=20", "model.num_layers=2", f"train.output_dir={out}"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(2)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stderr  # no progress-bar frames in a log file

@@ -276,7 +276,7 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         "flops": flops_report(ccfg, roof, dots["total"], len(devices)),
         "collectives": hlo.summarize(ops),
         "async_overlap": {kind: {"pairs": len(ps), "exposed": sum(not p["compute_between"] for p in ps)}
-                          for kind in ("all-gather", "all-reduce", "collective-permute")
+                          for kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
                           for ps in [hlo.async_overlap(text, kind)] if ps},
         "roofline": roof,
         "hardware": {"peak_tflops": gpu.peak_tflops, "hbm_gbps": gpu.hbm_gbps, "nvlink_gbps": gpu.nvlink_gbps,
