@@ -95,9 +95,6 @@ class MoEConfig:
                                                    "ragged_all_to_all: each device's receive buffer is "
                                                    "parallel.expert times that, filled in sender order; rows "
                                                    "past it are dropped and counted.")
-    ep_chunks: int = _f(1, "With parallel.expert > 1: split each device's tokens into this many chunks, each "
-                           "dispatched on its own, so that XLA can overlap one chunk's all-to-all with another's "
-                           "expert matmuls. The tokens per device (micro batch x seq / context) must divide.")
 
 
 @dataclass

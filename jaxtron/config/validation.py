@@ -125,7 +125,6 @@ def _validate_moe(cfg: Config) -> None:
     _one_of(cfg, "model.moe.ep_dispatch", MOE_EP_DISPATCH)
     check(e.ep_capacity_factor is None or e.ep_capacity_factor > 0, "model.moe.ep_capacity_factor",
           f"must be > 0 (or null: the worst case, nothing dropped), got {e.ep_capacity_factor}")
-    check(e.ep_chunks >= 1, "model.moe.ep_chunks", f"must be >= 1, got {e.ep_chunks}")
 
 
 def _validate_optim(cfg: Config) -> None:

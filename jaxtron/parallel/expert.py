@@ -62,17 +62,6 @@ def check_expert(cfg: Config, expert: Optional[int], platform: Optional[str] = N
                                                        "ragged all-to-all); use all_to_all")
 
 
-def check_chunks(cfg: Config, sizes: dict, micro_batch_size: int) -> None:
-    """``model.moe.ep_chunks`` must divide each device's tokens in training (``sizes``: the known mesh sizes)."""
-    chunks = cfg.model.moe.ep_chunks
-    if chunks == 1 or sizes.get("expert", 1) == 1 or "context" not in sizes:
-        return
-    tokens = micro_batch_size * cfg.data.seq_len // sizes["context"]
-    if tokens % chunks:
-        raise ConfigError("model.moe.ep_chunks", f"{chunks} chunks do not divide the {tokens} tokens per device "
-                                                 "(train.micro_batch_size x data.seq_len / parallel.context)")
-
-
 def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -96,14 +85,10 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     """Routed experts over the ``expert`` axis. x [B, S, D]; experts (ids) and weights (combine weights, fp32)
     [B, S, k]; ``expert_weights``: arrays whose leading axis is the experts (logical ``experts``);
     ``ffn(rows sorted by expert, group_sizes [E_local], *local expert weights) -> rows`` (fp32 or x's dtype);
-    ``moe``: the model's MoE config (``ep_dispatch``, ``ep_capacity_factor``, ``ep_chunks``).
+    ``moe``: the model's MoE config (``ep_dispatch``, ``ep_capacity_factor``).
     Returns (y [B, S, D] in x's dtype, dropped assignments as an fp32 scalar). Without an expert axis of size
     > 1 (or a batch that does not split over the devices, e.g. a few prompts in generation), ``plain()``:
-    the dropless dispatch on the whole batch, which GSPMD runs on the same split weights.
-
-    ``ep_chunks`` > 1 splits each device's tokens into that many chunks dispatched one after the other, so
-    that XLA can run one chunk's all-to-all while another's experts compute (a device with fewer tokens, as
-    in decoding, dispatches them at once: the result is the same)."""
+    the dropless dispatch on the whole batch, which GSPMD runs on the same split weights."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -124,22 +109,15 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
         return plain()
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     t, k = (x.shape[0] // n_batch) * (x.shape[1] // n_seq), experts.shape[-1]
-    chunks = moe.ep_chunks if t % moe.ep_chunks == 0 else 1
     local_experts = expert_weights[0].shape[0] // ep
-    cap = capacity(t // chunks, k, ep, local_experts, moe.ep_capacity_factor)
-
-    def one(x, experts, weights, local_weights):
-        if moe.ep_dispatch == "ragged_all_to_all":
-            return _ragged_exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, ep * cap)
-        return _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap)
+    cap = capacity(t, k, ep, local_experts, moe.ep_capacity_factor)
 
     def body(x, experts, weights, *local_weights):
-        import jax.numpy as jnp
-
-        parts = [a.reshape(chunks, 1, t // chunks, a.shape[-1]) for a in (x, experts, weights)]
-        outs = [one(*(p[c] for p in parts), local_weights) for c in range(chunks)]
-        y = jnp.concatenate([o[0] for o in outs], axis=1).reshape(x.shape)
-        return y, sum(o[1] for o in outs).reshape(1, 1)
+        if moe.ep_dispatch == "ragged_all_to_all":
+            y, dropped = _ragged_exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, ep * cap)
+        else:
+            y, dropped = _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap)
+        return y, dropped.reshape(1, 1)
 
     tokens = P(batch or None, seq or None, None)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens) + tuple(

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxtron.config.schema import Config, ConfigError, ParallelConfig
 from jaxtron.parallel.context import check_context
-from jaxtron.parallel.expert import check_chunks, check_expert
+from jaxtron.parallel.expert import check_expert
 
 if TYPE_CHECKING:  # jax is imported where a mesh is built: config validation does not import it
     import jax
@@ -122,8 +122,6 @@ def check_parallel(cfg: Config, sizes: Optional[Mapping[str, int]] = None) -> No
             _check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
                    f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
                    f"data-parallel size ({split} = {dp})")
-        if t.global_batch_size % (micro_batch_size(cfg, dp) * dp) == 0:
-            check_chunks(cfg, known, micro_batch_size(cfg, dp))
         if stages is not None and stages > 1 and p.pipeline_schedule == "circular":
             mb = t.global_batch_size // (micro_batch_size(cfg, dp) * dp)
             _check(mb >= stages, "train.micro_batch_size",

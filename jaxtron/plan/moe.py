@@ -56,14 +56,11 @@ def expert_parallel(cfg: Config, layout: Layout) -> bool:
 
 
 def ep_rows(cfg: Config, layout: Layout) -> int:
-    """EP x C rows each device receives per MoE layer and micro batch (module doc), summed over the
-    ``ep_chunks`` chunks its tokens are dispatched in."""
+    """EP x C rows each device receives per MoE layer and micro batch (module doc)."""
     e = cfg.model.moe
     t = layout.micro_batch_size * cfg.data.seq_len // layout.context
-    chunks = e.ep_chunks if t % e.ep_chunks == 0 else 1
-    per_chunk = capacity(t // chunks, e.num_experts_per_token, layout.expert, e.num_experts // layout.expert,
-                         e.ep_capacity_factor)
-    return chunks * layout.expert * per_chunk
+    return layout.expert * capacity(t, e.num_experts_per_token, layout.expert, e.num_experts // layout.expert,
+                                    e.ep_capacity_factor)
 
 
 def ragged_sent_fraction(cfg: Config, layout: Layout) -> float:
