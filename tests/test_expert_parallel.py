@@ -188,6 +188,17 @@ def test_pallas_grouped_matmul_runs_on_each_ranks_experts():
     _assert_same_layer(got, _output_and_grads(EP4))
 
 
+def test_overlapped_dispatch_equals_the_whole_one():
+    """model.moe.ep_overlap on expert 4 x data 2 at worst-case capacity: each device's tokens go in two halves,
+    each exchange tied to the other half's experts (optimization_barrier); twice the exchanges, the same output
+    and gradients as the whole dispatch."""
+    EP4 = ("parallel.expert=4", "parallel.data=2")
+    got, whole = _output_and_grads((*EP4, "model.moe.ep_overlap=true")), _output_and_grads(EP4)
+    assert got[0].count("all_to_all") == 2 * whole[0].count("all_to_all") > 0
+    assert "optimization_barrier" in got[0] and "optimization_barrier" not in whole[0]
+    _assert_same_layer(got, whole)
+
+
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                                 axis_name):
     """jax.lax.ragged_all_to_all's documented semantics from all_gather (XLA:CPU has no ragged all-to-all):
@@ -255,6 +266,8 @@ def test_capacity_is_at_most_the_worst_case():
     (("parallel.expert=8", "parallel.data=1", "train.global_batch_size=4"), "train.global_batch_size"),
     (("model.moe.ep_dispatch=alltoall",), "model.moe.ep_dispatch"),
     (("model.moe.ep_capacity_factor=0",), "model.moe.ep_capacity_factor"),
+    (("parallel.expert=2", "parallel.data=4", "model.moe.ep_dispatch=ragged_all_to_all", "model.moe.ep_overlap=true"),
+     "model.moe.ep_overlap"),
 ])
 def test_bad_expert_configs_give_one_line_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:

@@ -12,14 +12,15 @@ from jaxtron.plan import model as pm
 from jaxtron.plan import moe as pmoe
 from test_plan import MOE, _cli, needs_xla_gpu
 
-EP = ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1")
+EP = ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1", "model.moe.ep_overlap=true")
 
 
 @needs_xla_gpu
 def test_expert_parallel_plan_matches_its_closed_forms():
-    """expert 2 x fsdp 2 x tensor 2 compiled for 8 H100s (4 experts, 2 per rank, top-2, 16 x 32 tokens, bf16):
-    the compiled state, the expert matmul FLOPs counted in the HLO and the all-to-all bytes equal the closed
-    forms the search ranks with. (XLA:CPU would exchange the bf16 rows as fp32: twice the bytes.)"""
+    """expert 2 x fsdp 2 x tensor 2 compiled for 8 H100s (4 experts, 2 per rank, top-2, 16 x 32 tokens, bf16),
+    with the overlapped dispatch: the compiled state, the expert matmul FLOPs counted in the HLO and the
+    all-to-all bytes equal the closed forms the search ranks with (XLA:CPU would exchange the bf16 rows as
+    fp32: twice the bytes), and XLA's schedule runs expert matmuls during some of the exchanges."""
     cfg = config_lib.load(None, MOE + list(EP))
     layout = Layout.planned(cfg, 8)
     r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, *EP)
@@ -30,7 +31,8 @@ def test_expert_parallel_plan_matches_its_closed_forms():
     assert r["memory"]["params"] == pytest.approx(state["params"], rel=0.02)
     no_ep = Layout.planned(config_lib.load(None, MOE + ["parallel.fsdp=2", "parallel.tensor=2"]), 8)
     assert state["params"] < pm.closed_form_state_bytes(cfg, no_ep)["params"]
-    # each device keeps its 4 x 32 tokens and receives EP x C = 2 x 256 rows (worst case: C = t x min(k, 2))
+    # each device keeps its 4 x 32 tokens and receives EP x C = 2 x 256 rows (worst case: C = t x min(k, 2)),
+    # in two halves of 2 x 128
     assert pmoe.dispatch_rows(cfg, layout) == 2 * 256
     executed = r["moe"]["expert_matmul_flops_per_device"]["as_compiled_hlo"]
     assert executed == pytest.approx(pmoe.expert_flops_per_device(cfg, layout, "as_compiled"), rel=0.01)
@@ -38,6 +40,8 @@ def test_expert_parallel_plan_matches_its_closed_forms():
     # the rows' exchanges; the slot ids and the counts (int32, one per row) add 1/32 of that
     assert pmoe.exchange_bytes(cfg, layout) <= a2a["wire_bytes"] <= 1.04 * pmoe.exchange_bytes(cfg, layout)
     assert r["roofline"]["exposed_comm_s"] > 0
+    overlap = r["moe"]["all_to_all_overlapping_experts"]
+    assert overlap["pairs"] == a2a["ops"] and overlap["with_expert_matmuls"] >= 2, overlap
 
 
 def test_search_tries_expert_sizes_that_divide_the_experts():

@@ -26,6 +26,9 @@ device packs only its own tokens; tensor (the experts' ``mlp`` dim) and stage st
 instead (:func:`_ragged_exchange`) into one receive buffer of EP x C rows: the same memory, only the routed
 rows on the wire, and what is dropped past a small buffer is the tail of the last senders' rows.
 
+``ep_overlap`` dispatches each device's tokens in two halves and ties each half's exchange to the other
+half's expert matmuls with ``optimization_barrier``, so that XLA can overlap them.
+
 The expert weights enter the shard_map split over ``expert`` only, so FSDP's gather of them happens at its
 boundary and the transpose sums their gradients over the batch axes (``check_vma=False``: every output is
 split over every manual axis, so the transpose psums exactly the replicated inputs' cotangents).
@@ -57,6 +60,8 @@ def check_expert(cfg: Config, expert: Optional[int], platform: Optional[str] = N
         raise ConfigError("parallel.expert", f"model.moe.num_experts={m.num_experts} is not divisible by "
                                              f"parallel.expert={expert}")
     if m.ep_dispatch == "ragged_all_to_all":
+        if m.ep_overlap:
+            raise ConfigError("model.moe.ep_overlap", "applies to ep_dispatch=all_to_all")
         if platform == "cpu":
             raise ConfigError("model.moe.ep_dispatch", "ragged_all_to_all runs on GPUs only (XLA:CPU has no "
                                                        "ragged all-to-all); use all_to_all")
@@ -85,7 +90,7 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     """Routed experts over the ``expert`` axis. x [B, S, D]; experts (ids) and weights (combine weights, fp32)
     [B, S, k]; ``expert_weights``: arrays whose leading axis is the experts (logical ``experts``);
     ``ffn(rows sorted by expert, group_sizes [E_local], *local expert weights) -> rows`` (fp32 or x's dtype);
-    ``moe``: the model's MoE config (``ep_dispatch``, ``ep_capacity_factor``).
+    ``moe``: the model's MoE config (``ep_dispatch``, ``ep_capacity_factor``, ``ep_overlap``).
     Returns (y [B, S, D] in x's dtype, dropped assignments as an fp32 scalar). Without an expert axis of size
     > 1 (or a batch that does not split over the devices, e.g. a few prompts in generation), ``plain()``:
     the dropless dispatch on the whole batch, which GSPMD runs on the same split weights."""
@@ -110,13 +115,14 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     t, k = (x.shape[0] // n_batch) * (x.shape[1] // n_seq), experts.shape[-1]
     local_experts = expert_weights[0].shape[0] // ep
-    cap = capacity(t, k, ep, local_experts, moe.ep_capacity_factor)
+    overlap = moe.ep_overlap and t % 2 == 0  # a single decoding token per device goes in one piece
+    cap = capacity(t // 2 if overlap else t, k, ep, local_experts, moe.ep_capacity_factor)
 
     def body(x, experts, weights, *local_weights):
         if moe.ep_dispatch == "ragged_all_to_all":
             y, dropped = _ragged_exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, ep * cap)
         else:
-            y, dropped = _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap)
+            y, dropped = _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap, overlap)
         return y, dropped.reshape(1, 1)
 
     tokens = P(batch or None, seq or None, None)
@@ -128,32 +134,68 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     return y, dropped.sum()
 
 
-def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int):
-    """One device's tokens x [b, s, D] to their experts' ranks and back (steps 1-5 of the module doc)."""
+def _pack(x, experts, local_experts: int, ep: int, cap: int):
+    """Steps 1-2 of the module doc for tokens x [t, D]: (send buffer [EP*C, D], slot expert ids, each
+    assignment's slot, kept mask), assignments in choice-major order."""
+    import jax
+    import jax.numpy as jnp
+
+    t, d = x.shape
+    k = experts.shape[-1]
+    flat = experts.reshape(t, k).T.reshape(-1)                               # all first choices, then second...
+    dest = flat // local_experts
+    onehot = jax.nn.one_hot(dest, ep, dtype=jnp.int32)                       # [k*t, EP]
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # place in its rank's queue
+    kept = position < cap
+    slot = jnp.where(kept, dest * cap + position, ep * cap)                  # ep * cap: out of range, dropped
+    send = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(jnp.take(x, jnp.tile(jnp.arange(t), k), axis=0),
+                                                          mode="drop")
+    # the slots' local expert ids; an empty slot gets local_experts, which sorts after every expert's rows
+    ids = jnp.full((ep * cap,), local_experts, jnp.int32).at[slot].set(flat % local_experts, mode="drop")
+    return send, ids, slot, kept
+
+
+def _combine(out, slot, kept, weights, dtype):
+    """Step 5: each assignment's returned row (zeros where dropped) times its routing weight, summed per
+    token; returns ([t, D] in ``dtype``, dropped count)."""
+    import jax.numpy as jnp
+
+    t, k = weights.shape
+    y = out.at[slot].get(mode="fill", fill_value=0)
+    w = weights.T.reshape(-1)[:, None]                                       # choice-major, as the slots
+    combined = jnp.sum((y.astype(jnp.float32) * w).reshape(k, t, -1), axis=0)
+    return combined.astype(dtype), jnp.sum(~kept).astype(jnp.float32)
+
+
+def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int, overlap: bool = False):
+    """One device's tokens x [b, s, D] to their experts' ranks and back (steps 1-5 of the module doc).
+
+    ``overlap``: the tokens in two halves, each with its own buffers of ``cap`` rows per rank, and each
+    exchange tied with ``optimization_barrier`` to the other half's experts (the second half's dispatch to
+    the first half's experts, the first half's return to the second half's), so that XLA's scheduler runs
+    the transfer while those matmuls run instead of waiting for it."""
     import jax
     import jax.numpy as jnp
 
     b, s, d = x.shape
     t, k = b * s, experts.shape[-1]
     local_experts = local_weights[0].shape[0]
-    x = x.reshape(t, d)
-    choice_major = lambda a: a.reshape(t, k).T.reshape(-1)  # noqa: E731  all first choices, then second, ...
-    flat = choice_major(experts)
-    token = jnp.tile(jnp.arange(t), k)
-    dest = flat // local_experts
-    onehot = jax.nn.one_hot(dest, ep, dtype=jnp.int32)                       # [k*t, EP]
-    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # place in its rank's queue
-    kept = position < cap
-    slot = jnp.where(kept, dest * cap + position, ep * cap)                  # ep * cap: out of range, dropped
-    send = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(jnp.take(x, token, axis=0), mode="drop")
-    # the slots' local expert ids; an empty slot gets local_experts, which sorts after every expert's rows
-    ids = jnp.full((ep * cap,), local_experts, jnp.int32).at[slot].set(flat % local_experts, mode="drop")
     exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731  chunk j <-> rank j
-    rows, row_ids = exchange(send), exchange(ids)
-    out = exchange(_run_experts(rows, row_ids, local_weights, ffn).astype(x.dtype))
-    y = out.at[slot].get(mode="fill", fill_value=0)                          # dropped assignments read zeros
-    combined = jnp.sum((y.astype(jnp.float32) * choice_major(weights)[:, None]).reshape(k, t, d), axis=0)
-    return combined.astype(x.dtype).reshape(b, s, d), jnp.sum(~kept).astype(jnp.float32)
+    run = lambda rows, ids: _run_experts(rows, ids, local_weights, ffn).astype(x.dtype)  # noqa: E731
+    parts = 2 if overlap else 1
+    xs, es, ws = (a.reshape(parts, t // parts, -1) for a in (x, experts, weights))
+    packed = [_pack(xs[i], es[i], local_experts, ep, cap) for i in range(parts)]
+    if overlap:
+        sent = exchange(packed[0][0]), exchange(packed[0][1])
+        second, out_first = jax.lax.optimization_barrier(
+            ((exchange(packed[1][0]), exchange(packed[1][1])), run(*sent)))
+        back_first, out_second = jax.lax.optimization_barrier((exchange(out_first), run(*second)))
+        backs = [back_first, exchange(out_second)]
+    else:
+        backs = [exchange(run(exchange(packed[0][0]), exchange(packed[0][1])))]
+    outs = [_combine(backs[i], packed[i][2], packed[i][3], ws[i], x.dtype) for i in range(parts)]
+    y = jnp.concatenate([o[0] for o in outs]).reshape(b, s, d)
+    return y, sum(o[1] for o in outs)
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):

@@ -167,11 +167,14 @@ MOE_GEMM_NOTES = {
 }
 
 
-def moe_section(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gemm: str, expert_flops) -> dict:
-    """The MoE part of a plan: which GEMM the roofline assumes, the routed experts' executed FLOPs, and the
-    prediction under the other assumption."""
+def moe_section(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gemm: str, expert_flops,
+                text: str) -> dict:
+    """The MoE part of a plan: which GEMM the roofline assumes, the routed experts' executed FLOPs, the
+    prediction under the other assumption, and how many of the schedule's async all-to-alls have expert
+    matmuls between start and done (the exchange overlapping the experts; the roofline does not count it)."""
     other = "grouped" if moe_gemm == "as_compiled" else "as_compiled"
     alt = pm.roofline(cfg, layout, gpu, ops, layout.num_devices, node_of, other, expert_flops)
+    pairs = hlo.async_overlap(text, "all-to-all", pmoe.EXPERT_MATMUL_OPS)
     e = cfg.model.moe
     return {
         "gemm": moe_gemm, "assumption": MOE_GEMM_NOTES[moe_gemm],
@@ -181,6 +184,8 @@ def moe_section(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gem
                                            "grouped": pmoe.expert_flops_per_device(cfg, layout, "grouped")},
         "alternative": {"gemm": other, **{k: alt[k] for k in ("step_time_s", "tokens_per_s_per_gpu", "mfu",
                                                                "mfu_causal")}},
+        "all_to_all_overlapping_experts": {"pairs": len(pairs), "with_expert_matmuls": sum(
+            bool(p["marked_between"]) for p in pairs)},
     }
 
 
@@ -272,7 +277,7 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         "closed_form_memory": pm.closed_form_memory(ccfg, layout),
         "params": {"total": _count(spec.abstract_state["params"]), "closed_form": pm.param_count(ccfg.model),
                    "active_per_token": pm.param_count(ccfg.model, active=True)},
-        "moe": moe_section(ccfg, layout, gpu, ops, node_of, moe_gemm, dots["marked"]) if moe else None,
+        "moe": moe_section(ccfg, layout, gpu, ops, node_of, moe_gemm, dots["marked"], text) if moe else None,
         "flops": flops_report(ccfg, roof, dots["total"], len(devices)),
         "collectives": hlo.summarize(ops),
         "async_overlap": {kind: {"pairs": len(ps), "exposed": sum(not p["compute_between"] for p in ps)}

@@ -117,6 +117,10 @@ def _print_params_and_moe(r: dict) -> None:
     alt = moe["alternative"]
     print(f"  roofline below: {moe['gemm']}; with {alt['gemm']}: step {alt['step_time_s']:.3f} s, "
           f"{alt['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {alt['mfu']:.1%} (predicted)")
+    ov = moe["all_to_all_overlapping_experts"]
+    if ov["pairs"]:
+        print(f"  async all-to-alls with expert matmuls scheduled between start and done: "
+              f"{ov['with_expert_matmuls']} of {ov['pairs']} (the roofline counts them all as exposed)")
 
 
 def _print_search(s: dict) -> None:

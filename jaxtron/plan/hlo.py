@@ -332,10 +332,12 @@ def summarize(ops: Sequence[CollectiveOp]) -> dict[str, dict]:
 COMPUTE_OPCODES = ("fusion", "custom-call", "convolution", "dot")
 
 
-def async_overlap(text: str, kind: str = "collective-permute") -> list[dict]:
+def async_overlap(text: str, kind: str = "collective-permute", marker: str = "") -> list[dict]:
     """Each async ``<kind>-start``/``-done`` pair of a scheduled module (``is_scheduled=true``: instruction
     order is execution order) with the compute ops the schedule places between them: those run while the
-    transfer is in flight. A pair with none between is exposed (the stream waits for the transfer)."""
+    transfer is in flight. A pair with none between is exposed (the stream waits for the transfer).
+    ``marker``: a regular expression; ``marked_between`` lists the compute ops between whose text (op_name
+    metadata included) matches it."""
     mod = parse_module(text)
     pairs = []
     for comp, instrs in mod.computations.items():
@@ -348,6 +350,8 @@ def async_overlap(text: str, kind: str = "collective-permute") -> list[dict]:
                 start = operand and operand.group(1)
                 if start in open_at:
                     between = instrs[open_at.pop(start) + 1:i]
-                    compute = [n for n, _s, op, _r in between if op in COMPUTE_OPCODES]
-                    pairs.append({"computation": comp, "start": start, "compute_between": compute})
+                    compute = [(n, r) for n, _s, op, r in between if op in COMPUTE_OPCODES]
+                    marked = [n for n, r in compute if marker and re.search(marker, r)]
+                    pairs.append({"computation": comp, "start": start, "compute_between": [n for n, _ in compute],
+                                  "marked_between": marked})
     return pairs

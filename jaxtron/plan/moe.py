@@ -48,6 +48,8 @@ GEMMS = ("as_compiled", "grouped")
 EXPERT_MATMULS = r"moe_experts/"
 DISPATCH_COLLECTIVES = re.compile(r"moe_router/|moe_experts/")
 EXCHANGES = ("all-to-all", "ragged-all-to-all")
+# the routed experts' matmuls in the optimized HLO's op_name metadata (ragged_dot's fallback or the Pallas kernel)
+EXPERT_MATMUL_OPS = r"moe_experts/[^\"]*(ragged_dot|pallas_call)"
 
 
 def expert_parallel(cfg: Config, layout: Layout) -> bool:
@@ -56,11 +58,13 @@ def expert_parallel(cfg: Config, layout: Layout) -> bool:
 
 
 def ep_rows(cfg: Config, layout: Layout) -> int:
-    """EP x C rows each device receives per MoE layer and micro batch (module doc)."""
+    """EP x C rows each device receives per MoE layer and micro batch (module doc); with ``ep_overlap``, the
+    sum over its two halves."""
     e = cfg.model.moe
     t = layout.micro_batch_size * cfg.data.seq_len // layout.context
-    return layout.expert * capacity(t, e.num_experts_per_token, layout.expert, e.num_experts // layout.expert,
-                                    e.ep_capacity_factor)
+    parts = 2 if e.ep_overlap and e.ep_dispatch == "all_to_all" and t % 2 == 0 else 1
+    return parts * layout.expert * capacity(t // parts, e.num_experts_per_token, layout.expert,
+                                            e.num_experts // layout.expert, e.ep_capacity_factor)
 
 
 def ragged_sent_fraction(cfg: Config, layout: Layout) -> float:
