@@ -7,6 +7,8 @@
 * ``pallas_kernels.flash_attention``: causal / sliding-window / packed-segment attention with GQA, forward +
   backward (Pallas Triton backend; ``backend="mosaic"``: Mosaic GPU kernels for Hopper: causal or full
   attention, segment ids, in ``flash_attention_mosaic`` and ``flash_attention_mosaic_bwd``).
+* ``pallas_kernels.flash_attention_lse``: the same kernels returning the log-sum-exp too, differentiable through
+  it, on query and key pieces with their own segment ids (the pieces of a context-parallel sequence).
 
 On CPU the kernels run in Pallas interpret mode (slow, exact; the Mosaic GPU ones need jax >= 0.11)."""
 

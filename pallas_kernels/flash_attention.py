@@ -209,7 +209,8 @@ def _flash_fwd(q, k, v, seg, cfg: _Config):
     return out, (*ops, seg, o_res, lse, sc[..., 0], scales)
 
 
-def _flash_bwd(cfg: _Config, res, do):
+def _flash_bwd(cfg: _Config, res, do, dlse=None):
+    """dlse: the cotangent of the log2-domain lse (`flash_attention_lse`), or None."""
     q, k, v, seg, o_res, lse, c_logit, (s_q, s_k, s_v) = res
     group = q.shape[2] // k.shape[2]
     cdt = q.dtype
@@ -224,11 +225,16 @@ def _flash_bwd(cfg: _Config, res, do):
         s_do = _pow2_scale(do, group, 14 - (q.shape[-1].bit_length() - 1))
     do_c = _to_compute(do, s_do, group, cdt)
     delta = jnp.einsum("bshd,bshd->bhs", o_res.astype(jnp.float32), do_c.astype(jnp.float32))  # [b, h, sp]
+    if dlse is not None:
+        # d lse2_i / d logit_ij = log2(e) p_ij, so lse's cotangent enters as dS = P * (dP - (delta - dlse2 log2(e)))
+        # with dlse2 in dS's units (s_do * s_v)
+        unit = jnp.repeat(s_do * s_v, group, axis=1)[:, :, None]
+        delta = delta - dlse * jnp.float32(_LOG2E) / unit
     ds_unit = s_do * s_v * jnp.float32(cfg.scale)           # dS = P * (dP - delta) comes in units of s_do * s_v
     sc = jnp.stack([c_logit, ds_unit * s_k, ds_unit * s_q, s_do], axis=-1)
     out_dtype = do.dtype
     dq, dk, dv = _IMPLS[cfg.backend][1](q, k, v, seg, lse, delta, do_c, sc, cfg, out_dtype=out_dtype)
-    return dq, dk, dv, None
+    return dq, dk, dv, jax.tree.map(lambda _: None, seg)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -291,35 +297,20 @@ def interpret_dq_bytes(batch: int, seq: int, heads: int, head_dim: int, block_k_
     return (seq // block_k_bwd) * batch * seq * heads * head_dim * 4
 
 
-def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale=None, sliding_window=None,
-                    block_q: int | None = None, block_k: int | None = None, block_q_bwd: int | None = None,
-                    block_k_bwd: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                    num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
-                    interpret: bool | None = None, backend: str = "triton", fuse_dq: bool | None = None):
-    """Fused attention; q [b, s, h, d], k/v [b, s, kv_h, d] -> [b, s, h, d] in q.dtype. Differentiable in q, k, v.
-
-    backend: "triton" (every feature, any dtype) or "mosaic" (Mosaic GPU kernels for Hopper, forward and
-    backward; segment_ids but no sliding_window, bf16 or fp16, head_dim 64 or 128: anything else raises
-    ValueError).
-    Block sizes are powers of two >= 16; None -> 64 / 64 (triton) or 64 / 128 (mosaic, multiples of 64; its
-    block_q is per compute warpgroup, two per CTA). Triton blocks are clamped down to the padded seq length.
-    block_*_bwd default to the forward ones (triton) or 64 (mosaic: multiples of 64; the dq kernel's CTA covers
-    2 * block_q_bwd rows, the dk/dv kernel's 2 * block_k_bwd keys). num_stages: Triton pipelining stages, or the
-    Mosaic forward's K/V shared-memory slots; None -> 3 (triton) or 2 (mosaic). num_warps=None -> 4.
-    num_warps_bwd / num_stages_bwd: the Triton backward's launch settings (default num_warps / 2); for mosaic
-    num_stages_bwd is the backward kernels' shared-memory slots (default 2).
-    fuse_dq (mosaic only; None -> True): dq is computed in the dk/dv kernel and added into an fp32 accumulator
-    by TMA reduce-add (FlashAttention-3's backward: 5 matmuls per block pair, not 7; dq's summation order is then
-    not deterministic); False runs a separate dq kernel (deterministic).
-    interpret=None -> interpret mode on the CPU backend (Mosaic GPU's interpreter needs jax >= 0.11).
-    See the module docstring for masking semantics.
-    """
+def _prepare(q, k, v, *, causal, segment_ids, kv_segment_ids, softmax_scale, sliding_window, block_q, block_k,
+             block_q_bwd, block_k_bwd, num_warps, num_stages, num_warps_bwd, num_stages_bwd, interpret, backend,
+             fuse_dq):
+    """Validated, padded operands and the static config: (q, k, v, seg, cfg); seg is None, the ids, or (query
+    ids, key ids)."""
     check_backend(backend, _IMPLS, "flash_attention")
     if fuse_dq is not None and (backend != "mosaic" or not isinstance(fuse_dq, bool)):
         raise ValueError(f"fuse_dq is a bool option of backend='mosaic' (None there means True), got "
                          f"fuse_dq={fuse_dq!r} with backend={backend!r}")
-    _validate(q, k, v, segment_ids, softmax_scale, sliding_window,
-              {"block_q": block_q, "block_k": block_k, "block_q_bwd": block_q_bwd, "block_k_bwd": block_k_bwd})
+    if kv_segment_ids is not None and (backend != "triton" or segment_ids is None):
+        raise ValueError("kv_segment_ids (keys' own segment ids) needs segment_ids and backend='triton'")
+    for ids in (segment_ids, kv_segment_ids):
+        _validate(q, k, v, ids, softmax_scale, sliding_window,
+                  {"block_q": block_q, "block_k": block_k, "block_q_bwd": block_q_bwd, "block_k_bwd": block_k_bwd})
     if num_stages is not None and (not isinstance(num_stages, int) or isinstance(num_stages, bool)
                                    or num_stages < 1):
         raise ValueError(f"num_stages must be a positive int or None, got {num_stages!r}")
@@ -365,10 +356,42 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
         fuse_dq=backend == "mosaic" and fuse_dq is not False,
     )
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    if kv_segment_ids is not None:
+        seg = (seg, kv_segment_ids.astype(jnp.int32))       # queries' and keys' ids (`segments.block_spans`)
     if sp != s:
         padw = ((0, 0), (0, sp - s), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, padw) for x in (q, k, v))
-        if seg is not None:
-            seg = jnp.pad(seg, ((0, 0), (0, sp - s)))
+        seg = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, sp - s))), seg)
+    return q, k, v, seg, cfg
+
+
+def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_scale=None, sliding_window=None,
+                    block_q: int | None = None, block_k: int | None = None, block_q_bwd: int | None = None,
+                    block_k_bwd: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                    num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
+                    interpret: bool | None = None, backend: str = "triton", fuse_dq: bool | None = None):
+    """Fused attention; q [b, s, h, d], k/v [b, s, kv_h, d] -> [b, s, h, d] in q.dtype. Differentiable in q, k, v.
+
+    backend: "triton" (every feature, any dtype) or "mosaic" (Mosaic GPU kernels for Hopper, forward and
+    backward; segment_ids but no sliding_window, bf16 or fp16, head_dim 64 or 128: anything else raises
+    ValueError).
+    Block sizes are powers of two >= 16; None -> 64 / 64 (triton) or 64 / 128 (mosaic, multiples of 64; its
+    block_q is per compute warpgroup, two per CTA). Triton blocks are clamped down to the padded seq length.
+    block_*_bwd default to the forward ones (triton) or 64 (mosaic: multiples of 64; the dq kernel's CTA covers
+    2 * block_q_bwd rows, the dk/dv kernel's 2 * block_k_bwd keys). num_stages: Triton pipelining stages, or the
+    Mosaic forward's K/V shared-memory slots; None -> 3 (triton) or 2 (mosaic). num_warps=None -> 4.
+    num_warps_bwd / num_stages_bwd: the Triton backward's launch settings (default num_warps / 2); for mosaic
+    num_stages_bwd is the backward kernels' shared-memory slots (default 2).
+    fuse_dq (mosaic only; None -> True): dq is computed in the dk/dv kernel and added into an fp32 accumulator
+    by TMA reduce-add (FlashAttention-3's backward: 5 matmuls per block pair, not 7; dq's summation order is then
+    not deterministic); False runs a separate dq kernel (deterministic).
+    interpret=None -> interpret mode on the CPU backend (Mosaic GPU's interpreter needs jax >= 0.11).
+    See the module docstring for masking semantics.
+    """
+    q, k, v, seg, cfg = _prepare(
+        q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=None, softmax_scale=softmax_scale,
+        sliding_window=sliding_window, block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
+        block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
+        num_stages_bwd=num_stages_bwd, interpret=interpret, backend=backend, fuse_dq=fuse_dq)
     out = _flash(q, k, v, seg, cfg)
-    return out[:, :s] if sp != s else out
+    return out[:, :cfg.seq_len]

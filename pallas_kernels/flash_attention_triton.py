@@ -14,11 +14,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .segments import block_spans
+from .segments import block_spans, cross_block_spans
 
 _LOG2E = math.log2(math.e)
 _NEG = -1e30            # finite "minus infinity" for masked logits (log2 domain) and the running-max init
 _MIN_BLOCK = 16         # Triton dots need every dimension >= 16
+
+
+def _seg_args(seg, block: int, by_keys: bool = False):
+    """(query ids, key ids, spans) for the kernels: ``seg`` is one row of ids for both or (query ids, key ids);
+    the spans are per query block, or per key block with ``by_keys`` (the dk/dv kernel)."""
+    if not isinstance(seg, tuple):
+        return [seg, seg, block_spans(seg, block)]
+    q_seg, k_seg = seg
+    spans = cross_block_spans(k_seg, q_seg, block) if by_keys else cross_block_spans(q_seg, k_seg, block)
+    return [q_seg, k_seg, spans]
 
 
 def _visible(q_pos, k_pos, *, causal, sliding_window):
@@ -243,7 +253,7 @@ def _triton_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
         in_specs += [pl.BlockSpec((sq, bq), lambda i, j, hh: (j, i)),
                      pl.BlockSpec((sq, sp), lambda i, j, hh: (j, 0)),
                      pl.BlockSpec((sq, sq, 2), lambda i, j, hh: (j, i, 0))]
-        args += [seg, seg, block_spans(seg, bq)]
+        args += _seg_args(seg, bq)
     in_specs.append(pl.BlockSpec((sq, sq, 2), lambda i, j, hh: (j, hh // group, 0)))
     args.append(sc)
     o_spec = pl.BlockSpec((sq, bq, sq, d), lambda i, j, hh: (j, i, hh, 0))
@@ -395,7 +405,7 @@ def _triton_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
         in_specs += [pl.BlockSpec((sq, sp), lambda i, j, kh: (j, 0)),
                      pl.BlockSpec((sq, bk), lambda i, j, kh: (j, i)),
                      pl.BlockSpec((sq, sq, 2), lambda i, j, kh: (j, i, 0))]
-        args += [seg, seg, block_spans(seg, bk)]
+        args += _seg_args(seg, bk, by_keys=True)
     in_specs.append(pl.BlockSpec((sq, sq, 4), lambda i, j, kh: (j, kh, 0)))
     args.append(sc)
     kv_spec = pl.BlockSpec((sq, bk, sq, d), lambda i, j, kh: (j, i, kh, 0))
@@ -424,7 +434,7 @@ def _triton_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
         in_specs += [pl.BlockSpec((sq, bq), lambda i, j, hh: (j, i)),
                      pl.BlockSpec((sq, sp), lambda i, j, hh: (j, 0)),
                      pl.BlockSpec((sq, sq, 2), lambda i, j, hh: (j, i, 0))]
-        args += [seg, seg, block_spans(seg, bq)]
+        args += _seg_args(seg, bq)
     in_specs.append(pl.BlockSpec((sq, sq, 4), lambda i, j, hh: (j, hh // group, 0)))
     args.append(sc)
     dq = pl.pallas_call(
