@@ -1,8 +1,9 @@
 """Context parallelism (parallel.context > 1) equals the single-device run.
 
 Per context_impl (all_gather, ring, ulysses), on layouts (context with data and tensor, with fsdp, alone) and
-batches (plain causal; three packed documents per row with restarting positions): the fp32 gradient of the whole batch leaf by leaf, its norm, and the losses
-and gradient norms of 3 steps with a non-zero learning rate from step 0, to 1e-5 relative. Also: the sequence
+batches (plain causal; three packed documents per row with restarting positions): the fp32 gradient of the
+whole batch leaf by leaf, its norm, and the losses and gradient norms of 3 steps with a non-zero learning rate
+from step 0, to 1e-5 relative. The flash kernel (model.attention_impl=pallas) on each impl. Also: the sequence
 really is split (compiled activation memory per device falls), the load balance and its reported imbalance,
 and the config errors.
 """
@@ -49,6 +50,23 @@ def test_context_parallel_equals_single_device(impl, layout, batch):
     documents = BATCHES[batch]
     cfg = _config(*LAYOUTS[layout], f"parallel.context_impl={impl}", f"data.reset_at_eod={documents > 1}")
     assert_same_training(training_record(cfg, jax.devices(), documents=documents), _reference(documents))
+
+
+# the flash kernel (interpret mode) on every impl: head_dim 16, the kernel's smallest; against the xla one-device run
+PALLAS_CASES = [("all_gather", "context2-data2-tensor2", "packed3"), ("ring", "context4-fsdp2", "packed3"),
+                ("ulysses", "context8", "causal")]
+
+
+@pytest.mark.parametrize("impl,layout,batch", PALLAS_CASES)
+def test_context_parallel_with_the_flash_kernel_equals_single_device(impl, layout, batch):
+    documents = BATCHES[batch]
+    wide = ("model.hidden_size=128", f"data.reset_at_eod={documents > 1}")
+    key = ("wide", documents)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = training_record(_config("parallel.data=1", *wide), jax.devices()[:1],
+                                           documents=documents)
+    cfg = _config(*LAYOUTS[layout], f"parallel.context_impl={impl}", "model.attention_impl=pallas", *wide)
+    assert_same_training(training_record(cfg, jax.devices(), documents=documents), _REFERENCES[key])
 
 
 @pytest.mark.parametrize("impl", ["ulysses"])  # all_gather under stages was checked the same way (CI time)
@@ -122,7 +140,7 @@ def test_load_balance_evens_the_causal_work():
      "parallel.context_impl"),
     (("parallel.context=2", "parallel.stage=2", "parallel.context_impl=ring"), "parallel.context_impl"),
     (("parallel.context=4", "data.seq_len=12"), "data.seq_len"),
-    (("parallel.context=2", "model.hidden_size=128", "model.attention_impl=pallas"), "model.attention_impl"),
+    (("parallel.context=2", "model.hidden_size=128", "model.attention_impl=cudnn"), "model.attention_impl"),
 ])
 def test_context_config_errors_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=f"^{field}: .*(implementation|divisible|context|pipeline)"):

@@ -32,6 +32,23 @@ def flash_attention(q, k, v, segment_ids, scale: float, backend: str = "triton",
     return per_shard(kernel, (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), Q_NAMES)(q, k, v, segment_ids)
 
 
+def flash_piece(scale: float):
+    """``flash(q, k, v, q_seg, kv_seg, causal) -> (out, lse)`` on one device's pieces (already inside a
+    ``shard_map``): ``pallas_kernels.flash_attention_lse``, for attention split over the context axis."""
+    from pallas_kernels.flash_attention_lse import flash_attention_lse
+
+    from jaxtron.parallel.sharding import kernel_interpret
+
+    interpret = kernel_interpret()
+
+    def flash(q, k, v, q_seg, kv_seg, causal: bool):
+        return flash_attention_lse(q, k, v, causal=causal, segment_ids=q_seg,
+                                   kv_segment_ids=None if q_seg is None else kv_seg, softmax_scale=scale,
+                                   interpret=interpret)
+
+    return flash
+
+
 def rope(q, k, positions, inv_freq):
     """The fused q/k RoPE kernel (``pallas_kernels.rope.apply_rope``), per shard."""
     import jax.numpy as jnp

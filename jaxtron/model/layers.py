@@ -122,12 +122,17 @@ class Attention(nnx.Module):
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             return self._attend_cache(q, k, v, cache)
-        if self.cfg.attention_impl == "xla":
+        if self.cfg.attention_impl in ("xla", "pallas"):
             # the names say how a sequence split over 'context' is read (K/V gathered, passed round a ring, or
-            # exchanged for heads); the causal mask is by position: the sequence may arrive reordered (context
-            # parallelism's load balance)
-            out = ring_attention.sequence_attention(q, k, v, segment_ids, rope.positions, q.shape[-1] ** -0.5,
-                                                    xla_attention)
+            # exchanged for heads); the xla causal mask is by position (the sequence may arrive reordered:
+            # context parallelism's load balance), the flash kernel's by chunk (parallel/context_flash.py)
+            scale = q.shape[-1] ** -0.5
+            flash, attend = None, xla_attention
+            if self.cfg.attention_impl == "pallas":
+                flash = kernels.flash_piece(scale)
+                attend = lambda q, k, v, seg, scale, _: attention(q, k, v, seg, implementation="pallas",  # noqa: E731
+                                                                  scale=scale)
+            out = ring_attention.sequence_attention(q, k, v, segment_ids, rope.positions, scale, attend, flash)
         else:
             out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
                             deterministic=self.cfg.deterministic_attention)

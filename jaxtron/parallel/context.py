@@ -61,10 +61,10 @@ def check_context(cfg: Config, context: Optional[int], tensor: Optional[int]) ->
             raise ConfigError("parallel.context_impl", f"ulysses splits heads over context x tensor = {split}, "
                                                        f"which does not divide model.num_heads={m.num_heads}; "
                                                        "use ring or all_gather")
-    if m.attention_impl != "xla":
+    if m.attention_impl not in ("xla", "pallas"):
         raise ConfigError("model.attention_impl", f"{m.attention_impl!r} does not run with parallel.context > 1 "
-                                                  "yet (its causal mask follows the index, the load-balanced "
-                                                  "order needs it by position): use xla")
+                                                  "(it returns no log-sum-exp to merge the pieces of a split "
+                                                  "sequence by, nor masks by piece): use pallas or xla")
 
 
 def balance_order(seq_len: int, context: int) -> np.ndarray:

@@ -12,7 +12,8 @@ around the ring. Each round is rematerialized, so no round's score block is kept
 ``ulysses`` (the rules name the exchange axis ``act_attn_head_exchange``): in the same ``shard_map``, an
 all-to-all gives each rank the whole sequence of 1/CP of the heads, attention runs on it, and an all-to-all
 returns the rank's own chunk of every head (:func:`ulysses`). Under ``all_gather`` the rules alone do the work
-(K/V gathered by GSPMD), and :func:`sequence_attention` is plain attention.
+(K/V gathered by GSPMD), and :func:`sequence_attention` is plain attention. With a flash kernel
+(``attention_impl=pallas``), :mod:`jaxtron.parallel.context_flash` runs each impl on the kernel instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxtron.parallel import context_flash
 from jaxtron.parallel.sharding import constrain, current_context, logical_to_spec
 
 Q_NAMES = ("act_batch", "act_attn_seq", "act_attn_heads", "act_head_dim")
@@ -44,10 +46,13 @@ def _size(mesh, spec) -> int:
 
 
 def sequence_attention(q, k, v, segment_ids: Optional[jax.Array], positions: Optional[jax.Array],
-                       scale: float, attend):
+                       scale: float, attend, flash=None):
     """Causal attention of q [b, s, h, d] over k, v [b, s, kvh, d] (positions and segment ids [b, s]);
-    ``attend(q, k, v, segment_ids, scale, positions)`` is the per-device attention (the xla reference).
-    q, k and v are constrained to the attention names here, so the rules decide how the sequence is read."""
+    ``attend(q, k, v, segment_ids, scale, positions)`` is the attention of an unsplit sequence (the xla
+    reference masks by position, so it also reads the load-balanced order); ``flash(q, k, v, q_seg, kv_seg,
+    causal) -> (out, lse)`` a per-device kernel, which takes over when the sequence is split
+    (:mod:`jaxtron.parallel.context_flash`). q, k and v are constrained to the attention names here, so the
+    rules decide how the sequence is read."""
     ctx = current_context()
     if ctx is None or ctx[1] is None:
         return attend(q, k, v, segment_ids, scale, positions)
@@ -63,6 +68,9 @@ def sequence_attention(q, k, v, segment_ids: Optional[jax.Array], positions: Opt
     q = constrain(q, Q_NAMES)
     k, v = constrain(k, KV_NAMES), constrain(v, KV_NAMES)
     ring_axes = _axes(mesh, logical_to_spec(("act_kv_seq",), rules)[0])
+    q_axes = _axes(mesh, logical_to_spec(("act_attn_seq",), rules)[0])
+    if flash is not None and q_axes:
+        return _flash_split(q, k, v, segment_ids, rules, mesh, q_axes, ring_axes, exchange, flash)
     if not ring_axes:
         return constrain(attend(q, k, v, segment_ids, scale, positions), Q_NAMES)
     if positions is None:
@@ -82,6 +90,27 @@ def sequence_attention(q, k, v, segment_ids: Optional[jax.Array], positions: Opt
                                                       spec(ROW_NAMES), spec(ROW_NAMES)),
                            out_specs=spec(Q_NAMES), check_vma=False)
     return mapped(q, k, v, positions, segment_ids)
+
+
+def _flash_split(q, k, v, segment_ids, rules, mesh, q_axes, ring_axes, exchange, flash):
+    """The kernel on a sequence split over ``q_axes``: K/V gathered, passed round or exchanged, as the rules
+    say (:mod:`jaxtron.parallel.context_flash`)."""
+    size = _size(mesh, q_axes)
+    spec = lambda names: logical_to_spec(names, rules)  # noqa: E731
+    kv_rows = ("act_batch", "act_kv_seq")
+    has_seg = segment_ids is not None
+
+    def body(q, k, v, *ids):
+        seg, kv_seg = ids if has_seg else (None, None)
+        if exchange:
+            return context_flash.ulysses(q, k, v, seg, exchange, size, flash)
+        if ring_axes:
+            return context_flash.ring(q, k, v, seg, ring_axes, size, flash)
+        return context_flash.gathered(q, k, v, seg, kv_seg, q_axes, size, flash)
+
+    in_specs = (spec(Q_NAMES), spec(KV_NAMES), spec(KV_NAMES)) + ((spec(ROW_NAMES), spec(kv_rows)) if has_seg else ())
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec(Q_NAMES), check_vma=False)
+    return mapped(q, k, v, *((segment_ids, segment_ids) if has_seg else ()))
 
 
 def ulysses(q, k, v, pos, seg, scale: float, axes: tuple[str, ...], attend):
