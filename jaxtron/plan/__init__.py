@@ -280,11 +280,13 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         "moe": moe_section(ccfg, layout, gpu, ops, node_of, moe_gemm, dots["marked"], text) if moe else None,
         "flops": flops_report(ccfg, roof, dots["total"], len(devices)),
         "collectives": hlo.summarize(ops),
+        "dots": hlo.dot_operand_types(text),
         "async_overlap": {kind: {"pairs": len(ps), "exposed": sum(not p["compute_between"] for p in ps)}
                           for kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
                           for ps in [hlo.async_overlap(text, kind)] if ps},
         "roofline": roof,
-        "hardware": {"peak_tflops": gpu.peak_tflops, "hbm_gbps": gpu.hbm_gbps, "nvlink_gbps": gpu.nvlink_gbps,
+        "hardware": {"peak_tflops": gpu.peak_tflops, "fp8_peak_tflops": gpu.fp8_peak_tflops, "hbm_gbps": gpu.hbm_gbps,
+                     "nvlink_gbps": gpu.nvlink_gbps,
                      "net_gbps": gpu.net_gbps, "gpus_per_node": gpu.gpus_per_node,
                      "compute_efficiency": gpu.compute_efficiency, "comm_efficiency": gpu.comm_efficiency,
                      "collective_latency_us": gpu.collective_latency_us},

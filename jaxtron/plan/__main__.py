@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                         "fallback, E x the FLOPs) or a grouped-GEMM kernel (active FLOPs; not built). The plan "
                         "prints both; this one ranks --search")
     hw = p.add_argument_group("roofline overrides (defaults per GPU in jaxtron/plan/gpus.py)")
-    hw.add_argument("--peak-tflops", type=float)
+    hw.add_argument("--peak-tflops", type=float, help="dense bf16")
+    hw.add_argument("--fp8-peak-tflops", type=float, help="dense FP8 (the FP8 GEMMs of model.fp8)")
     hw.add_argument("--hbm-gbps", type=float)
     hw.add_argument("--nvlink-gbps", type=float, help="per GPU, one direction, inside a node")
     hw.add_argument("--net-gbps", type=float, help="per GPU, one direction, between nodes")
@@ -93,7 +94,8 @@ def _print_plan(r: dict) -> None:
     print(f"  step time {roof['step_time_s']:.3f} s, {roof['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
           f"MFU {roof['mfu']:.1%} (full attention FLOPs; {roof['mfu_causal']:.1%} causal)")
     h = r["hardware"]
-    print(f"  assumed: {h['peak_tflops']:.0f} TFLOP/s x {h['compute_efficiency']}, HBM {h['hbm_gbps']:.0f} GB/s, "
+    fp8 = f" (FP8 GEMMs {h['fp8_peak_tflops']:.0f})" if roof.get("fp8_flops_per_device") else ""
+    print(f"  assumed: {h['peak_tflops']:.0f}{fp8} TFLOP/s x {h['compute_efficiency']}, HBM {h['hbm_gbps']:.0f} GB/s, "
           f"NVLink {h['nvlink_gbps']:.0f} GB/s, network {h['net_gbps']:.0f} GB/s per GPU x "
           f"{h['comm_efficiency']}, {h['collective_latency_us']:.0f} us per collective")
     for n in r["notes"]:
@@ -146,7 +148,7 @@ def _bad_argument(args) -> str | None:
         v = getattr(args, name)
         if v is not None and v < 1:
             return f"--{name.replace('_', '-')}: must be >= 1, got {v}"
-    for name in ("peak_tflops", "hbm_gbps", "nvlink_gbps", "net_gbps", "collective_latency_us"):
+    for name in ("peak_tflops", "fp8_peak_tflops", "hbm_gbps", "nvlink_gbps", "net_gbps", "collective_latency_us"):
         v = getattr(args, name)
         if v is not None and not v > 0:
             return f"--{name.replace('_', '-')}: must be > 0, got {v}"
@@ -184,7 +186,8 @@ def main(argv=None) -> int:
     try:
         cfg = config_lib.load(args.config, args.overrides)
         gpu = get_gpu(args.gpu).replace(
-            peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps, nvlink_gbps=args.nvlink_gbps,
+            peak_tflops=args.peak_tflops, fp8_peak_tflops=args.fp8_peak_tflops, hbm_gbps=args.hbm_gbps,
+            nvlink_gbps=args.nvlink_gbps,
             net_gbps=args.net_gbps, gpus_per_node=args.gpus_per_node, compute_efficiency=args.compute_efficiency,
             comm_efficiency=args.comm_efficiency, collective_latency_us=args.collective_latency_us,
             mem_fraction=args.mem_fraction)

@@ -355,3 +355,26 @@ def async_overlap(text: str, kind: str = "collective-permute", marker: str = "")
                     pairs.append({"computation": comp, "start": start, "compute_between": [n for n, _ in compute],
                                   "marked_between": marked})
     return pairs
+
+
+def dot_operand_types(text: str) -> dict[str, dict]:
+    """The ``dot`` instructions of an optimized module by their operands' element types, each instruction once
+    (loop bodies not multiplied): {"bf16 x bf16": {"dots": 12, "flops": ...}, "f8e4m3fn x f8e4m3fn": ...}. An FP8
+    GEMM is a dot on FP8 operands (XLA:GPU runs it as a cuBLASLt or Triton FP8 GEMM). XLA may merge dots that
+    share an operand (q, k and v), so FLOPs, not counts, say which share of the matmuls is FP8."""
+    out: dict[str, dict] = {}
+    for instrs in parse_module(text).computations.values():
+        shapes = {name: shape for name, shape, _op, _rest in instrs}
+        for _name, shape, opcode, rest in instrs:
+            m = re.match(r"dot\(([^)]*)\)", rest) if opcode == "dot" else None
+            if m is None:
+                continue
+            names = [x.strip().lstrip("%") for x in m.group(1).split(",")]
+            key = " x ".join(shapes.get(x, "?").split("[")[0] for x in names)
+            contracting = _LHS_CONTRACTING_RE.search(rest)
+            lhs = _dims(shapes.get(names[0], ""))
+            k = np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i]) if contracting and lhs else 1
+            entry = out.setdefault(key, {"dots": 0, "flops": 0.0})
+            entry["dots"] += 1
+            entry["flops"] += 2.0 * float(np.prod(_dims(shape))) * float(k)
+    return out

@@ -2,10 +2,12 @@
 
 Roofline, per device and per optimizer step:
 
-* compute: hardware FLOPs / (bf16 peak x ``compute_efficiency``). Hardware FLOPs are the Megatron model FLOPs
-  (:func:`jaxtron.train.flops.flops_per_token`, causal attention counted under the ``causal`` convention, i.e.
-  the s^2 term halved, which is what a causal flash kernel executes) times the recomputation factor: 4/3 under
-  ``remat=full`` (the forward runs twice), 1 otherwise (``save_dots`` recomputes only elementwise work).
+* compute: hardware FLOPs / (bf16 peak x ``compute_efficiency``); with ``model.fp8`` the FP8 GEMMs' share
+  (:func:`fp8_flops_per_device`) at the FP8 peak instead (a prediction: no FP8 step has been timed). Hardware
+  FLOPs are the Megatron model FLOPs (:func:`jaxtron.train.flops.flops_per_token`, causal attention counted
+  under the ``causal`` convention, i.e. the s^2 term halved, which is what a causal flash kernel executes)
+  times the recomputation factor: 4/3 under ``remat=full`` (the forward runs twice), 1 otherwise
+  (``save_dots`` recomputes only elementwise work).
 * memory: HBM bytes / HBM bandwidth, from a closed-form traffic estimate (weights read three times per micro
   batch, activations written and read, the AdamW update reading and writing params, moments and gradients).
   Matmuls and the memory-bound kernels (norms, activations, softmax statistics, the optimizer) run one after
@@ -18,7 +20,8 @@ Roofline, per device and per optimizer step:
   than the compute is added.
 
 step time = compute + memory + exposed comm + max(0, overlappable comm - (compute + memory)).
-MFU = Megatron model FLOPs (``full`` convention, as Megatron's published tables) / (GPUs x peak x step time);
+MFU = Megatron model FLOPs (``full`` convention, as Megatron's published tables) / (GPUs x bf16 peak x step
+time), also with FP8 (as Megatron and NeMo publish FP8 runs);
 the ``causal`` convention is reported next to it.
 """
 
@@ -175,6 +178,29 @@ def hardware_flops_per_device(cfg: Config, layout: Layout, moe_gemm: str = "as_c
     return hw - pmoe.expert_flops_per_device(cfg, layout, "grouped") + expert_flops
 
 
+def fp8_flops_per_device(cfg: Config, layout: Layout) -> float:
+    """Training FLOPs per device per step that ``model.fp8`` runs as FP8 GEMMs: the forward, dgrad and wgrad
+    (and recomputation) of every attention projection, the dense layers' SwiGLU and the MoE layers' shared
+    experts (jaxtron/model/fp8.py; the routed experts, the LM head and attention stay in bf16)."""
+    m = cfg.model
+    if m.fp8 == "none":
+        return 0.0
+    d, h, kv, hd = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m)
+    n_moe = moe_layer_count(m)
+    shared = pmoe.shared_width(m) if n_moe else 0
+    params = m.num_layers * (2 * h + 2 * kv) * hd * d + 3 * d * ((m.num_layers - n_moe) * m.intermediate_size
+                                                                 + n_moe * shared)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    return 6.0 * tokens * params * pmoe.remat_factor(cfg) / layout.num_devices
+
+
+def compute_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, hw_flops: float) -> float:
+    """``hw_flops`` at ``compute_efficiency`` of the bf16 peak, the FP8 GEMMs' share at the FP8 peak."""
+    fp8 = fp8_flops_per_device(cfg, layout) if gpu.fp8_peak_tflops else 0.0
+    eff = gpu.compute_efficiency * 1e12
+    return (hw_flops - fp8) / (gpu.peak_tflops * eff) + (fp8 / (gpu.fp8_peak_tflops * eff) if fp8 else 0.0)
+
+
 def _comm(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndarray, moe_gemm: str) -> dict:
     """Collective seconds: exposed (critical path), overlappable, by kind; wire bytes by link. The MoE
     dispatch's collectives carry activations (critical path); under ``grouped`` (a dispatch that keeps tokens
@@ -209,7 +235,7 @@ def roofline(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, num_gpus: int
     mf_full, mf_causal = model_flops(cfg, "full"), model_flops(cfg, "causal")
     hw_flops = hardware_flops_per_device(cfg, layout, moe_gemm, expert_flops)
     peak = gpu.peak_tflops * 1e12
-    compute_s = hw_flops / (peak * gpu.compute_efficiency)
+    compute_s = compute_seconds(cfg, layout, gpu, hw_flops)
     memory_s = hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
     kernel_s = compute_s + memory_s
     c = _comm(cfg, layout, gpu, ops, node_of, moe_gemm)
@@ -221,7 +247,8 @@ def roofline(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, num_gpus: int
         "wire_bytes_by_link": c["by_link"],
         "mfu": mf_full / (num_gpus * peak * step), "mfu_causal": mf_causal / (num_gpus * peak * step),
         "model_flops_per_step": mf_full, "model_flops_per_step_causal": mf_causal,
-        "hardware_flops_per_device": hw_flops, "tokens_per_s": tokens / step,
+        "hardware_flops_per_device": hw_flops, "fp8_flops_per_device": fp8_flops_per_device(cfg, layout),
+        "tokens_per_s": tokens / step,
         "tokens_per_s_per_gpu": tokens / step / num_gpus,
         "moe_gemm": moe_gemm if moe_layer_count(cfg.model) else None,
     }
@@ -256,7 +283,7 @@ def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
 
 def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
                        moe_gemm: str = "as_compiled") -> float:
-    compute = hardware_flops_per_device(cfg, layout, moe_gemm) / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency)
+    compute = compute_seconds(cfg, layout, gpu, hardware_flops_per_device(cfg, layout, moe_gemm))
     return (compute + hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
             + closed_form_comm_s(cfg, layout, gpu, num_gpus, moe_gemm))
 
