@@ -132,6 +132,14 @@ class ModelConfig:
                                    "kernel forward and backward on a small problem against the XLA reference "
                                    "and stop with an error naming the field if it disagrees "
                                    "(jaxtron/train/kernel_check.py).")
+    fp8: str = _f("none", "FP8 matmuls for the decoder's dense projections (QKV, attention output, gate/up, "
+                          "down, shared experts; jaxtron/model/fp8.py), e4m3 operands and e5m2 gradients: 'none', "
+                          "'current' (each tensor scaled by its own amax in this step) or 'delayed' (scaled by the "
+                          "max amax of the last fp8_amax_history steps, kept as checkpointed model state). "
+                          "Embedding, LM head, norms, attention, router and routed experts stay in model.dtype.")
+    fp8_amax_history: int = _f(16, "model.fp8=delayed: steps of amax history per tensor (Transformer Engine's "
+                                   "amax_history_len).")
+    fp8_margin: int = _f(0, "model.fp8=delayed: scales are amax * 2^margin / format max (headroom for growth).")
     remat: str = _f("none", "Activation recomputation per block: 'none', 'full', or 'save_dots' (selective).")
     scan_unroll: int = _f(1, "Decoder blocks per iteration of the layer scan (1: rolled). Unrolling lets XLA fuse "
                              "across blocks and, inside a pipeline tick's checkpoint, merge the blocks' own "

@@ -13,6 +13,7 @@ from functools import reduce
 from jaxtron.config.schema import Config, ConfigError, head_dim
 
 ATTENTION_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
+FP8_RECIPES = ("none", "current", "delayed")
 KERNEL_IMPLS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -67,6 +68,12 @@ def _validate_model(cfg: Config) -> None:
     _one_of(cfg, "model.attention_impl", ATTENTION_IMPLS)
     check(not (m.deterministic_attention and m.attention_impl == "cudnn"), "model.deterministic_attention",
           "cuDNN's attention backward is not deterministic here; use model.attention_impl=pallas or mosaic")
+    _one_of(cfg, "model.fp8", FP8_RECIPES)
+    check(m.fp8_amax_history >= 1, "model.fp8_amax_history", f"must be >= 1, got {m.fp8_amax_history}")
+    check(m.fp8_margin >= 0, "model.fp8_margin", f"must be >= 0, got {m.fp8_margin}")
+    check(not (m.fp8 == "delayed" and cfg.parallel.stage > 1), "model.fp8",
+          "delayed scaling under parallel.stage > 1 is not built (the pipeline's backward would sum the micro "
+          "batches' amaxes instead of taking their max); use model.fp8=current")
     _one_of(cfg, "model.rope_impl", KERNEL_IMPLS)
     _one_of(cfg, "model.mlp_impl", KERNEL_IMPLS)
     _one_of(cfg, "model.remat", REMAT_POLICIES)

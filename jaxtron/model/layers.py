@@ -10,10 +10,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, head_dim
-from jaxtron.model import kernels
+from jaxtron.model import fp8, kernels
 from jaxtron.model.attention import attention, cached_attention, xla_attention
 from jaxtron.model.cache import CACHE_NAMES, LayerCache
-from jaxtron.model.projection import project
 from jaxtron.parallel import ring_attention
 from jaxtron.parallel.sharding import constrain
 
@@ -93,6 +92,7 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), std, pd)
         self.wv = param(rngs, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), std, pd)
         self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), out_std, pd)
+        fp8.add_histories(self, ("wq", "wk", "wv", "wo"), cfg.fp8, cfg.fp8_amax_history)
         if cfg.qkv_bias:
             self.bq = param(rngs, (h, hd), ("heads", "head_dim"), 0.0, pd)
             self.bk = param(rngs, (kvh, hd), ("kv_heads", "head_dim"), 0.0, pd)
@@ -105,9 +105,9 @@ class Attention(nnx.Module):
         """[batch, seq, hidden] -> [batch, seq, hidden]; with ``cache`` (decoding), this chunk's k/v are written
         into the cache at ``cache.index`` and the queries attend over the whole cache: returns (out, (k, v))."""
         dt = x.dtype
-        q = project("bsd,dhk->bshk", x, self.wq[...].astype(dt))
-        k = project("bsd,dhk->bshk", x, self.wk[...].astype(dt))
-        v = project("bsd,dhk->bshk", x, self.wv[...].astype(dt))
+        q = self._dense("wq", "bsd,dhk->bshk", x)
+        k = self._dense("wk", "bsd,dhk->bshk", x)
+        v = self._dense("wv", "bsd,dhk->bshk", x)
         if self.cfg.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
@@ -137,7 +137,10 @@ class Attention(nnx.Module):
             out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
                             deterministic=self.cfg.deterministic_attention)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        return project("bshk,hkd->bsd", out, self.wo[...].astype(dt))
+        return self._dense("wo", "bshk,hkd->bsd", out)
+
+    def _dense(self, name, spec, x):
+        return fp8.project_weight(self, name, spec, x, self.cfg.fp8, self.cfg.fp8_margin)
 
     def _attend_cache(self, q, k, v, cache: LayerCache):
         dt = q.dtype
@@ -146,7 +149,7 @@ class Attention(nnx.Module):
         k_cache, v_cache = write(cache.k, k), write(cache.v, v)
         out = cached_attention(q, k_cache.astype(dt), v_cache.astype(dt), cache.mask, q.shape[-1] ** -0.5)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        return project("bshk,hkd->bsd", out, self.wo[...].astype(dt)), (k_cache, v_cache)
+        return self._dense("wo", "bshk,hkd->bsd", out), (k_cache, v_cache)
 
 
 class SwiGLU(nnx.Module):
@@ -158,11 +161,15 @@ class SwiGLU(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
         self.mlp_impl = cfg.mlp_impl
+        self.fp8, self.fp8_margin = cfg.fp8, cfg.fp8_margin
+        fp8.add_histories(self, ("w_gate", "w_up", "w_down"), cfg.fp8, cfg.fp8_amax_history)
+
+    def _dense(self, name, spec, x):
+        return fp8.project_weight(self, name, spec, x, self.fp8, self.fp8_margin)
 
     def __call__(self, x):
-        dt = x.dtype
-        gate = project("bsd,df->bsf", x, self.w_gate[...].astype(dt))
-        up = project("bsd,df->bsf", x, self.w_up[...].astype(dt))
+        gate = self._dense("w_gate", "bsd,df->bsf", x)
+        up = self._dense("w_up", "bsd,df->bsf", x)
         h = kernels.swiglu(gate, up) if self.mlp_impl == "pallas" else jax.nn.silu(gate) * up
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
-        return project("bsf,fd->bsd", h, self.w_down[...].astype(dt))
+        return self._dense("w_down", "bsf,fd->bsd", h)

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params, nonfinite_leaves
+from jaxtron.model import fp8
 from jaxtron.checkpoint.manager import CheckpointMismatch
 
 log = logging.getLogger("jaxtron")
@@ -62,7 +63,9 @@ class TrainerCheckpoints:
             raise CheckpointError(f"none of the checkpoints {steps} in {ckpt.directory} could be read")
         if c.load_weights:
             t0 = time.perf_counter()
-            params, meta = load_params(c.load_weights, self.spec.abstract_state["params"])
+            abstract = self.spec.abstract_state["params"]
+            params, meta = load_params(c.load_weights, fp8.weights_only(abstract))
+            params = fp8.with_fresh_histories(params, abstract)
             self._check_tokenizer(meta, c.load_weights, "checkpoint.load_weights")
             self.meta = {"max_positions": meta.get("max_positions")}  # what the weights were trained for
             opt_init = jax.jit(self.tx.init, out_shardings=self.spec.state_shardings["opt_state"])

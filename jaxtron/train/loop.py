@@ -25,6 +25,7 @@ from flax import nnx
 from jaxtron import config as config_lib
 from jaxtron.config import Config
 from jaxtron.data.corpus import make_corpus
+from jaxtron.model import fp8
 from jaxtron.parallel.layout import Layout
 from jaxtron.train.callbacks import Callback, TrainingAborted, TrainResult  # noqa: F401  (re-exported)
 from jaxtron.train.callbacks import as_callback as _as_callback
@@ -219,7 +220,7 @@ class Trainer(TrainerLoop, TrainerCheckpoints):
                 with self.layout.tracing():
                     (ce, n, _), g = loss_and_grads(params, batch)
                     n = jnp.maximum(n, 1.0)
-                    g = jax.tree.map(lambda x: x / n, g)
+                    g = jax.tree.map(lambda x: x / n, fp8.without_histories(g))
                     return g, {"loss": ce / n, "grad_norm": optax.global_norm(g), "tokens": n}
 
             self._grad_fn = jax.jit(grads, in_shardings=(self.spec.param_shardings, self.batch_sharding))

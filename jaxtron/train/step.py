@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxtron.config import Config
-from jaxtron.model import routing
+from jaxtron.model import fp8, routing
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.stages import BATCH_AXES, pipelined_loss, pipelined_value_and_grad, split_micro
 from jaxtron.train.flops import moe_layer_count
@@ -117,7 +117,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
         def body(carry, micro):
             g_acc, ce_acc, n_acc, aux_acc = carry
             (_, (ce, n, aux)), g = grad_fn(params, micro)
-            return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, n_acc + n,
+            return (fp8.accumulate(g_acc, g), ce_acc + ce, n_acc + n,
                     jax.tree.map(jnp.add, aux_acc, aux)), None
 
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
@@ -140,9 +140,9 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     def step(state, batch):
         with layout.tracing():
             params = state["params"]
-            (ce, n, aux), grads = loss_and_grads(params, batch)
+            (ce, n, aux), raw = loss_and_grads(params, batch)
             n = jnp.maximum(n, 1.0)
-            grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, params)
+            grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), fp8.without_histories(raw), params)
             grad_norm = optax.global_norm(grads)
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             new_params = optax.apply_updates(params, updates)
@@ -153,7 +153,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             aux, moe_load = routing.step_metrics(aux, n)
             if moe_load is not None and cfg.model.moe.aux_free_bias:  # DeepSeek-V3: no gradient, from the load
                 new_params = routing.update_expert_bias(new_params, moe_load, cfg.model.moe.bias_update_rate)
-            new_params = jax.tree.map(keep, new_params, params)
+            new_params = jax.tree.map(keep, fp8.roll_histories(new_params, params, raw), params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
             metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n,
                        "skipped": jnp.logical_not(ok), **aux}

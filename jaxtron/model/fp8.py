@@ -1,0 +1,215 @@
+"""FP8 matmuls for the decoder's dense projections (``model.fp8``), tensorwise current scaling.
+
+``fp8_project(spec, x, w)`` is ``project``'s contraction with both operands quantized to float8_e4m3fn and the
+incoming gradient to float8_e5m2 (Hopper's FP8 GEMMs take e4m3 x e4m3 and e5m2 x e4m3), each tensor with one
+fp32 scale from its own amax in this step (``current``: Megatron/Transformer Engine's "current scaling";
+scale = amax / fp8 max, so the largest value lands on the format's maximum). The dots take the FP8 operands
+directly with a 16-bit or fp32 result, which XLA:GPU's GEMM rewriter turns into cuBLASLt FP8 GEMMs with the
+scales folded into the epilogue; the three GEMMs of a projection (forward, dgrad, wgrad) are all FP8. The
+backward keeps the FP8 copies of x and w as its residuals (half of bf16's bytes).
+
+``delayed`` (Transformer Engine's delayed scaling): the scales come from the amaxes of the last
+``model.fp8_amax_history`` steps (their max, times 2^``model.fp8_margin``), kept per projection in an
+:class:`AmaxHistory` [H, 3] (input, weight, output gradient; newest first); a history with no amax yet (the
+first step) gives scale 1, as Transformer Engine starts. The quantization then does not wait for this step's
+amax, which is still recorded: the projection's backward returns it as the cotangent of the history, and the
+train step rolls it in (:func:`roll_histories`) instead of handing it to the optimizer. The amaxes are global
+(a sharded tensor's max is reduced over its shards), and over gradient-accumulation micro batches the max is
+kept (:func:`accumulate`).
+
+The embedding, LM head, norms, attention's score/value products, the router and the routed MoE experts stay in
+the compute dtype (what Megatron and NeMo's FP8 recipes keep out of FP8 too, experts aside).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.model.projection import project
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+
+
+HISTORY_SUFFIX = "_amax"  # a projection's AmaxHistory is the attribute f"{weight name}{HISTORY_SUFFIX}"
+
+
+class AmaxHistory(nnx.Variable):
+    """Delayed scaling's state of one projection: [H, 3] amaxes of (input, weight, output gradient) over the
+    last H steps, newest first. Model state (checkpointed and resharded with the params); no gradient moves it:
+    the train step rolls in each step's amaxes (:func:`roll_histories`)."""
+
+
+def history(length: int) -> AmaxHistory:
+    return AmaxHistory(jnp.zeros((length, 3), jnp.float32), out_sharding=(None, None))
+
+
+def add_histories(module, names, recipe: str, length: int) -> None:
+    """Under ``delayed``, an :class:`AmaxHistory` beside each of ``module``'s weights ``names``."""
+    for name in names if recipe == "delayed" else ():
+        setattr(module, name + HISTORY_SUFFIX, history(length))
+
+
+def project_weight(module, name: str, spec: str, x: jax.Array, recipe: str, margin: int = 0) -> jax.Array:
+    """``einsum(spec, x, module.<name>)`` (the weight cast to x's dtype) under ``recipe``."""
+    w = getattr(module, name)[...].astype(x.dtype)
+    return dense(spec, x, w, recipe, getattr(module, name + HISTORY_SUFFIX, None), margin)
+
+
+def dense(spec: str, x: jax.Array, w: jax.Array, recipe: str = "none", hist=None, margin: int = 0) -> jax.Array:
+    """A dense projection: ``project`` (model.fp8=none), :func:`fp8_project` (current) or
+    :func:`delayed_project` (delayed, with the projection's ``hist``)."""
+    if recipe == "none":
+        return project(spec, x, w)
+    if recipe == "delayed":
+        return delayed_project(spec, x, w, hist[...], margin)
+    return fp8_project(spec, x, w)
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def scale_of(x, dtype) -> jax.Array:
+    """Current scaling: amax(|x|) / fp8 max, fp32 scalar (1 for an all-zero tensor)."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return jnp.where(amax > 0, amax / fp8_max(dtype), 1.0)
+
+
+def quantize(x, dtype, scale) -> jax.Array:
+    """x / scale clipped to the format's range, rounded to ``dtype`` (x ~ quantize(x) * scale)."""
+    limit = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
+
+
+def dequantize(q, scale, dtype) -> jax.Array:
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _parse(spec: str) -> tuple[str, str, str]:
+    ins, out = spec.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    return a, b, out
+
+
+def _dot(spec, a, b, scale, out_dtype):
+    """An FP8 x FP8 einsum with a 16-bit/fp32 result, times the product of the operands' scales."""
+    acc = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
+    y = jnp.einsum(spec, a, b, preferred_element_type=acc)
+    return (y.astype(jnp.float32) * scale).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum(spec, x, w)`` (``w`` a weight) in FP8 with current scaling; result and gradients in x's and
+    w's dtypes."""
+    return _fwd(spec, x, w)[0]
+
+
+def _fwd(spec, x, w):
+    sx, sw = scale_of(x, E4M3), scale_of(w, E4M3)
+    x8, w8 = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
+    return _dot(spec, x8, w8, sx * sw, x.dtype), (x8, w8, sx, sw, jnp.zeros((0,), x.dtype),
+                                                  jnp.zeros((0,), w.dtype))
+
+
+def _bwd(spec, res, g):
+    x8, w8, sx, sw, x_kind, w_kind = res
+    xs, ws, ys = _parse(spec)
+    sg = scale_of(g, E5M2)
+    g8 = quantize(g, E5M2, sg)
+    dx = _dot(f"{ys},{ws}->{xs}", g8, w8, sg * sw, x_kind.dtype)
+    dw = _dot(f"{xs},{ys}->{ws}", x8, g8, sx * sg, w_kind.dtype)
+    return dx, dw
+
+
+fp8_project.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def delayed_project(spec: str, x: jax.Array, w: jax.Array, hist: jax.Array, margin: int = 0) -> jax.Array:
+    """``einsum(spec, x, w)`` in FP8 with scales from ``hist`` [H, 3] (delayed scaling, module doc). The
+    cotangent returned for ``hist`` is zero but for row 0: this step's (input, weight, gradient) amaxes."""
+    return _delayed_fwd(spec, x, w, hist, margin)[0]
+
+
+def _history_scales(hist, margin):
+    amax = jnp.max(hist, axis=0)
+    limits = jnp.array([fp8_max(E4M3), fp8_max(E4M3), fp8_max(E5M2)], jnp.float32)
+    return jnp.where(amax > 0, amax * (2.0 ** margin) / limits, 1.0)
+
+
+def _amax(x):
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _delayed_fwd(spec, x, w, hist, margin):
+    scales = _history_scales(hist, margin)
+    x8, w8 = quantize(x, E4M3, scales[0]), quantize(w, E4M3, scales[1])
+    y = _dot(spec, x8, w8, scales[0] * scales[1], x.dtype)
+    kinds = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return y, (x8, w8, scales, _amax(x), _amax(w), jnp.zeros_like(hist), kinds)
+
+
+def _delayed_bwd(spec, margin, res, g):
+    x8, w8, scales, ax, aw, zeros, (x_kind, w_kind) = res
+    xs, ws, ys = _parse(spec)
+    g8 = quantize(g, E5M2, scales[2])
+    dx = _dot(f"{ys},{ws}->{xs}", g8, w8, scales[2] * scales[1], x_kind.dtype)
+    dw = _dot(f"{xs},{ys}->{ws}", x8, g8, scales[0] * scales[2], w_kind.dtype)
+    return dx, dw, zeros.at[0].set(jnp.stack([ax, aw, _amax(g)]))
+
+
+delayed_project.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def _is_history(path) -> bool:
+    key = getattr(path[-1], "key", None)
+    return isinstance(key, str) and key.endswith(HISTORY_SUFFIX)
+
+
+def accumulate(acc, grads):
+    """Gradient accumulation over micro batches: sums, but the max for the amax histories' rows."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a, g: jnp.maximum(a, g) if _is_history(path) else a + g, acc, grads)
+
+
+def without_histories(grads):
+    """``grads`` with the amax histories' cotangents zeroed: what the optimizer and the gradient norm see."""
+    return jax.tree_util.tree_map_with_path(lambda path, g: jnp.zeros_like(g) if _is_history(path) else g, grads)
+
+
+def roll_histories(new_params, old_params, grads):
+    """Each amax history of ``old_params`` shifted by one step with the step's amaxes (row 0 of its cotangent in
+    the raw ``grads``) in front; every other leaf of ``new_params`` as it is."""
+    def roll(path, new, old, g):
+        if not _is_history(path):
+            return new
+        return jnp.concatenate([g[..., :1, :], old[..., :-1, :]], axis=-2).astype(old.dtype)
+
+    return jax.tree_util.tree_map_with_path(roll, new_params, old_params, grads)
+
+
+def weights_only(tree):
+    """A nested params dict without its amax histories (what a weights-only load reads)."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: weights_only(v) for k, v in tree.items() if not (isinstance(k, str) and k.endswith(HISTORY_SUFFIX))}
+
+
+def with_fresh_histories(params, abstract):
+    """``params`` (from :func:`weights_only`) completed with empty histories where ``abstract`` (leaves with
+    shape, dtype and sharding) has them: a fine-tune starts delayed scaling afresh, as its optimizer does."""
+    if not isinstance(abstract, dict):
+        return params
+    out = {}
+    for k, v in abstract.items():
+        if isinstance(k, str) and k.endswith(HISTORY_SUFFIX):
+            out[k] = jax.device_put(jnp.zeros(v.shape, v.dtype), v.sharding)
+        else:
+            out[k] = with_fresh_histories(params[k], v)
+    return out

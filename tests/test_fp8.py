@@ -1,0 +1,304 @@
+"""FP8 projections (model.fp8=current): quantize/dequantize and the scaled matmul against numpy (ml_dtypes'
+float8 types), gradients against a numpy backward with e5m2 cotangents, training close to the bf16/fp32 run
+and equal across layouts (the scales are global amaxes, not per shard), and in the XLA:GPU compile every
+projection's forward, dgrad and wgrad GEMM on FP8 operands with the FSDP all-gather at half of bf16's bytes."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from helpers import NONZERO_LR, assert_same_training, tiny_config, training_record
+from jaxtron.config import ConfigError
+from jaxtron.model import fp8
+from test_plan import SMALL, _cfg, _cli, needs_xla_gpu, pm
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def _np_quantize(x, dtype, fmax):
+    scale = np.float32(np.abs(x).max()) / np.float32(fmax)
+    q = np.clip(x.astype(np.float32) / scale, -fmax, fmax).astype(dtype)
+    return q, scale
+
+
+@pytest.mark.parametrize("dtype,np_dtype,fmax", [(fp8.E4M3, ml_dtypes.float8_e4m3fn, E4M3_MAX),
+                                                (fp8.E5M2, ml_dtypes.float8_e5m2, E5M2_MAX)])
+def test_quantize_round_trip_matches_numpy(dtype, np_dtype, fmax):
+    rng = np.random.default_rng(0)
+    # five decades of magnitude: normals and subnormals of the format after scaling
+    x = (rng.standard_normal((64, 48)) * 10.0 ** rng.integers(-3, 2, (64, 48))).astype(np.float32)
+    scale = fp8.scale_of(x, dtype)
+    q = fp8.quantize(x, dtype, scale)
+    q_ref, scale_ref = _np_quantize(x, np_dtype, fmax)
+    assert float(scale) == pytest.approx(float(scale_ref), rel=1e-7)
+    assert q.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))  # bit for bit
+    assert float(np.abs(np.asarray(q, np.float32)).max()) == fmax  # the amax lands on the format's max
+    back = np.asarray(fp8.dequantize(q, scale, jnp.float32))
+    np.testing.assert_array_equal(back, (q_ref.astype(np.float32) * scale_ref).astype(np.float32))
+    # e4m3 keeps 3 mantissa bits, e5m2 2: relative error of the round trip on values well above the floor
+    big = np.abs(x) > np.abs(x).max() * 1e-2
+    rel = np.abs(back[big] - x[big]) / np.abs(x[big])
+    assert rel.max() <= (2.0 ** -4 if dtype == fp8.E4M3 else 2.0 ** -3) * 1.001
+
+
+def test_all_zero_tensor_has_unit_scale():
+    assert float(fp8.scale_of(jnp.zeros((4, 4)), fp8.E4M3)) == 1.0
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    w = (rng.standard_normal((32, 24)) * 0.05).astype(np.float32)
+    g = rng.standard_normal((2, 8, 24)).astype(np.float32) * 1e-3
+    return x, w, g
+
+
+def test_scaled_matmul_and_its_gradients_match_numpy():
+    x, w, g = _inputs()
+    spec = "bsd,df->bsf"
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_project(spec, x, w), x, w)
+    dx, dw = vjp(g)
+    x8, sx = _np_quantize(x, ml_dtypes.float8_e4m3fn, E4M3_MAX)
+    w8, sw = _np_quantize(w, ml_dtypes.float8_e4m3fn, E4M3_MAX)
+    g8, sg = _np_quantize(g, ml_dtypes.float8_e5m2, E5M2_MAX)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    y_ref = np.einsum(spec, f64(x8), f64(w8)) * (float(sx) * float(sw))
+    dx_ref = np.einsum("bsf,df->bsd", f64(g8), f64(w8)) * (float(sg) * float(sw))
+    dw_ref = np.einsum("bsd,bsf->df", f64(x8), f64(g8)) * (float(sx) * float(sg))
+    for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    # and it is close to, but not, the full-precision product
+    exact = np.einsum(spec, f64(x), f64(w))
+    err = np.abs(np.asarray(y, np.float64) - exact).max() / np.abs(exact).max()
+    assert 1e-4 < err < 0.1, err  # e4m3's 3 mantissa bits on a 32-long contraction
+
+
+def test_bf16_operands_give_bf16_results_and_gradients():
+    x, w, g = (jnp.asarray(a, jnp.bfloat16) for a in _inputs())
+    y, vjp = jax.vjp(lambda x, w: fp8.dense("bsd,df->bsf", x, w, "current"), x, w)
+    dx, dw = vjp(g)
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16,) * 3
+    ref = fp8.dense("bsd,df->bsf", x, w, "none")
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    assert np.abs(y - ref).max() < 0.1 * np.abs(ref).max()
+
+
+def test_training_with_fp8_stays_close_to_full_precision():
+    base = _train_losses()
+    ours = _train_losses("model.fp8=current")
+    assert ours != base  # the projections really ran in FP8
+    assert abs(ours[-1] - base[-1]) < 0.02 * base[-1], (ours, base)
+    assert ours[-1] < ours[0] - 0.2  # and it learns
+
+
+def _train_losses(*overrides, steps=30):
+    from helpers import synthetic_batch
+    from jaxtron.train.loop import Trainer, put_batch
+
+    cfg = tiny_config(*NONZERO_LR, "optim.lr=3e-3", *overrides)
+    trainer = Trainer(cfg, jax.devices()[:1])
+    batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
+    return [float(trainer.step(batch)["loss"]) for _ in range(steps)]
+
+
+def test_fp8_layout_equals_fp8_single_device():
+    """data 2 x fsdp 2 x tensor 2: each tensor's scale is its global amax (a sharded weight's max is reduced
+    over its shards), so the quantized operands are those of one device and only fp32 sums reorder."""
+    cfg = lambda *o: tiny_config(*NONZERO_LR, "model.fp8=current", *o)  # noqa: E731
+    one = training_record(cfg("parallel.data=1"), jax.devices()[:1])
+    many = training_record(cfg("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), jax.devices())
+    assert_same_training(many, one, rtol=1e-4)
+
+
+def test_planner_runs_the_fp8_share_at_the_fp8_peak():
+    from jaxtron.parallel.layout import Layout
+    from jaxtron.plan import get_gpu
+    from jaxtron.plan import model as plan_model
+
+    h100, a100 = get_gpu("h100"), get_gpu("a100")
+    cfg, cfg8 = _cfg(), _cfg("model.fp8=current")
+    layout = Layout.planned(cfg, 8)
+    hw = plan_model.hardware_flops_per_device(cfg, layout)
+    f8 = plan_model.fp8_flops_per_device(cfg8, layout)
+    assert plan_model.fp8_flops_per_device(cfg, layout) == 0 and 0.5 * hw < f8 < hw
+    bf16_s = plan_model.compute_seconds(cfg, layout, h100, hw)
+    fp8_s = plan_model.compute_seconds(cfg8, layout, h100, hw)
+    eff = h100.compute_efficiency * 1e12
+    assert fp8_s == pytest.approx(bf16_s - f8 / (h100.peak_tflops * eff) + f8 / (h100.fp8_peak_tflops * eff))
+    assert fp8_s < 0.8 * bf16_s
+    assert plan_model.compute_seconds(cfg8, layout, a100, hw) == plan_model.compute_seconds(cfg, layout, a100, hw)
+
+
+def test_unknown_recipe_is_a_config_error():
+    with pytest.raises(ConfigError, match="^model.fp8: .*'none'"):
+        tiny_config("model.fp8=delayed_maybe")
+
+
+# ------------------------------------------------------------------------------------ XLA:GPU compile
+
+@needs_xla_gpu
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_xla_gpu_compile_runs_every_projection_gemm_in_fp8_and_gathers_fp8_weights(recipe):
+    r = _cli("--gpu", "h100", "--num-gpus", "8", *SMALL, "parallel.data=1", "parallel.fsdp=8",
+             "parallel.tensor=1", "model.remat=none", f"model.fp8={recipe}")
+    cfg = _cfg()
+    m = cfg.model
+    d, hd = m.hidden_size, m.hidden_size // m.num_heads
+    per_layer = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * m.intermediate_size
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len // 8
+    forward = 2.0 * tokens * per_layer  # one layer: the scanned body's dots are counted once
+    dots = r["dots"]
+    fp8_flops = sum(v["flops"] for k, v in dots.items() if "f8" in k)
+    # forward, dgrad and wgrad of every projection: e4m3 x e4m3 forward, e5m2 gradients against e4m3
+    assert fp8_flops == pytest.approx(3 * forward, rel=1e-6), dots
+    assert {k for k in dots if "f8" in k} >= {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn"}
+    # the planner's closed form counts the same FLOPs (all layers) for the FP8 peak
+    assert r["roofline"]["fp8_flops_per_device"] == pytest.approx(fp8_flops * m.num_layers, rel=1e-6)
+    # FSDP 8: the projections' weights travel as e4m3 (forward and backward), the rest as bf16
+    projections = per_layer * m.num_layers
+    rest = pm.param_count(m) - projections
+    gathered = r["collectives"]["all-gather"]["result_bytes"]
+    assert gathered == pytest.approx(2 * projections + 2 * 2 * rest, rel=0.05)
+    assert gathered < 0.55 * 2 * 2 * pm.param_count(m)  # about half of the bf16 run's
+
+
+# ------------------------------------------------------------------------------------------ delayed scaling
+
+def test_delayed_scaled_matmul_records_amaxes_and_matches_numpy():
+    x, w, g = _inputs(1)
+    hist = np.zeros((4, 3), np.float32)
+    hist[1:3] = [[1.0, 0.08, 2e-3], [1.2, 0.05, 1e-3]]  # x's amax (3.1) exceeds 2^margin x its history
+    spec = "bsd,df->bsf"
+    y, vjp = jax.vjp(lambda x, w, h: fp8.delayed_project(spec, x, w, h, 1), x, w, jnp.asarray(hist))
+    dx, dw, dhist = vjp(g)
+    scale = hist.max(0) * 2.0 / np.array([E4M3_MAX, E4M3_MAX, E5M2_MAX], np.float32)
+
+    def q(a, s, dtype, fmax):
+        return np.clip(a / s, -fmax, fmax).astype(dtype).astype(np.float64)
+
+    x8, w8 = q(x, scale[0], ml_dtypes.float8_e4m3fn, E4M3_MAX), q(w, scale[1], ml_dtypes.float8_e4m3fn, E4M3_MAX)
+    g8 = q(g, scale[2], ml_dtypes.float8_e5m2, E5M2_MAX)
+    assert np.abs(x).max() > 2 * 1.2 and np.abs(x8).max() == E4M3_MAX
+    for got, ref in ((y, np.einsum(spec, x8, w8) * scale[0] * scale[1]),
+                     (dx, np.einsum("bsf,df->bsd", g8, w8) * scale[2] * scale[1]),
+                     (dw, np.einsum("bsd,bsf->df", x8, g8) * scale[0] * scale[2])):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    np.testing.assert_array_equal(np.asarray(dhist)[1:], 0)
+    np.testing.assert_allclose(np.asarray(dhist)[0], [np.abs(x).max(), np.abs(w).max(), np.abs(g).max()], rtol=1e-7)
+
+
+def test_empty_history_scales_by_one():
+    x, w, _ = _inputs(2)
+    y = fp8.delayed_project("bsd,df->bsf", x, w, jnp.zeros((2, 3)), 0)
+    ref = np.einsum("bsd,df->bsf", np.asarray(x).astype(ml_dtypes.float8_e4m3fn).astype(np.float64),
+                    np.asarray(w).astype(ml_dtypes.float8_e4m3fn).astype(np.float64))
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-7)
+
+
+def _histories(state):
+    from jaxtron.model.fp8 import HISTORY_SUFFIX
+
+    flat = jax.tree_util.tree_leaves_with_path(jax.device_get(state["params"]))
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat if jax.tree_util.keystr(p).endswith(
+        HISTORY_SUFFIX + "']")}
+
+
+def _delayed(*overrides):
+    return tiny_config(*NONZERO_LR, "model.fp8=delayed", "model.fp8_amax_history=3", *overrides)
+
+
+def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
+    """Per step each history shifts by one with the new amaxes in front; data 2 x fsdp 2 x tensor 2 and two
+    accumulation micro batches record the same global amaxes (a max, not a sum) and train the same."""
+    from helpers import synthetic_batch
+    from jaxtron.train.loop import Trainer, put_batch
+
+    def run(cfg, devices, steps=3):
+        trainer = Trainer(cfg, devices)
+        batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
+        out = [(float(trainer.step(batch)["loss"]), _histories(trainer.state)) for _ in range(steps)]
+        return [o[0] for o in out], [o[1] for o in out]
+
+    losses, hists = run(_delayed("parallel.data=1"), jax.devices()[:1])
+    assert len(hists[0]) == 7  # wq, wk, wv, wo, w_gate, w_up, w_down, each stacked over the 2 layers
+    for name, h in hists[-1].items():
+        assert h.shape == (2, 3, 3) and np.all(h > 0), name
+        np.testing.assert_array_equal(h[:, 1:], hists[-2][name][:, :-1])  # rolled by one step
+        np.testing.assert_array_equal(hists[0][name][:, 1:], 0)
+    for overrides, devices in ((("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), jax.devices()),
+                               (("parallel.data=1", "train.micro_batch_size=4"), jax.devices()[:1])):
+        other_losses, other = run(_delayed(*overrides), devices)
+        np.testing.assert_allclose(other_losses, losses, rtol=1e-5)
+        # after two steps (later, fp32 differences of 1e-7 in a scale start moving e4m3 roundings by 2^-4)
+        for name in hists[1]:
+            np.testing.assert_allclose(other[1][name], hists[1][name], rtol=1e-5, err_msg=name)
+
+
+def test_delayed_scaling_resumes_exactly_and_on_another_mesh(tmp_path):
+    """Checkpoint after 2 steps, restore on the same layout and on fsdp 8: the histories come back bit for bit,
+    the same layout continues with bit-identical losses and histories, fsdp 8 with equal ones."""
+    from helpers import synthetic_batch
+    from jaxtron.checkpoint import Checkpointer
+    from jaxtron.train.loop import Trainer, put_batch
+
+    def steps(trainer, cfg, seeds):
+        return [float(trainer.step(put_batch(synthetic_batch(cfg, s), trainer.batch_sharding))["loss"])
+                for s in seeds]
+
+    cfg = _delayed("parallel.data=2", "parallel.tensor=2")
+    run = Trainer(cfg, jax.devices()[:4])
+    steps(run, cfg, [0, 1])
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(2, run.state, {})
+    ckpt.wait()
+    saved = _histories(run.state)
+    continued = steps(run, cfg, [2, 3])
+    final = _histories(run.state)
+    for other, devices, exact in ((cfg, jax.devices()[:4], True),
+                                  (_delayed("parallel.data=1", "parallel.fsdp=8"), jax.devices(), False)):
+        resumed = Trainer(other, devices)
+        resumed.state, _ = ckpt.restore(2, resumed.spec.abstract_state)
+        for name, h in _histories(resumed.state).items():
+            np.testing.assert_array_equal(h, saved[name])
+        again = steps(resumed, other, [2, 3])
+        if exact:
+            assert again == continued
+            for name, h in _histories(resumed.state).items():
+                np.testing.assert_array_equal(h, final[name])
+        else:
+            np.testing.assert_allclose(again, continued, rtol=1e-5)
+    ckpt.close()
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (("model.fp8=delayed", "parallel.stage=2", "model.num_layers=2"), "model.fp8"),
+    (("model.fp8=delayed", "model.fp8_amax_history=0"), "model.fp8_amax_history"),
+    (("model.fp8=delayed", "model.fp8_margin=-1"), "model.fp8_margin"),
+])
+def test_delayed_config_errors_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        tiny_config(*overrides)
+
+
+def test_weights_only_load_into_delayed_starts_empty_histories(tmp_path):
+    """Fine-tuning a bf16/fp32-trained checkpoint with model.fp8=delayed: the weights load, the histories
+    (which that checkpoint does not have) start empty, and training runs."""
+    from jaxtron.checkpoint import Checkpointer
+    from jaxtron.train.loop import Trainer
+
+    small = ("data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1",
+             "train.steps=2", "train.eval_every=0", "parallel.data=1")
+    plain = Trainer(tiny_config(*small), jax.devices()[:1])
+    ckpt = Checkpointer(str(tmp_path / "plain"))
+    ckpt.save(0, plain.state, {})
+    ckpt.close()
+    tuned = Trainer(_delayed(*small, f"checkpoint.load_weights={tmp_path}/plain",
+                             f"train.output_dir={tmp_path}/tuned"), jax.devices()[:1])
+    result = tuned.train()
+    assert result.final_step == 2 and all(np.isfinite(loss) for _, loss in result.losses)
+    hists = _histories(tuned.state)
+    assert len(hists) == 7 and all(np.all(h[:, :2] > 0) and np.all(h[:, 2] == 0) for h in hists.values())
