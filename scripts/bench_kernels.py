@@ -4,6 +4,7 @@
     python scripts/bench_kernels.py --check            # numerics on the GPU against the references
     python scripts/bench_kernels.py --sweep --seq 4096 # flash attention block sizes / warps / stages
     python scripts/bench_kernels.py --gmm [--tokens 8192] # MoE grouped matmul against ragged_dot
+    python scripts/bench_kernels.py --fp8 [--tokens 8192] # projection GEMMs: bf16 against FP8 (model.fp8)
 
 Shapes: heads 32, kv heads 8, head_dim 128, bf16; MLP width 14336. Each case is timed forward and
 forward+backward (gradient of the sum w.r.t. every input) after a warm-up; the median of ``--iters`` runs.
@@ -51,7 +52,10 @@ def parse_args(argv=None):
                         "mosaic-dqk: the same with its separate dq kernel, fuse_dq=False)")
     p.add_argument("--attention-only", action="store_true", help="skip the RoPE and SwiGLU kernels")
     p.add_argument("--gmm", action="store_true", help="time only the MoE grouped matmul against ragged_dot")
-    p.add_argument("--tokens", type=int, default=8192, help="--gmm: tokens routed (rows = tokens * top-k)")
+    p.add_argument("--tokens", type=int, default=8192, help="--gmm: tokens routed (rows = tokens * top-k); "
+                                                            "--fp8: rows of each GEMM")
+    p.add_argument("--fp8", action="store_true", help="time only Llama-3-8B's projection GEMMs, bf16 against "
+                                                     "model.fp8's recipes")
     return p.parse_args(argv)
 
 
@@ -90,7 +94,6 @@ def _attention_inputs(seq: int, batch: int, packed: bool):
 def attention_cases(seq: int, batch: int, packed: bool, iters: int,
                     which=("pallas", "mosaic", "xla", "cudnn")) -> list[dict]:
     import jax
-    import jax.numpy as jnp
     from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 
     h, d = 32, 128
@@ -194,6 +197,34 @@ def gmm_cases(tokens: int, iters: int, models=GMM_MODELS) -> list[dict]:
     return rows
 
 
+# Llama-3-8B's projections as (name, K, N): gate/up, down, QKV (q + 2 kv heads of 128), attention output
+FP8_SHAPES = (("gate/up", 4096, 14336), ("down", 14336, 4096), ("qkv", 4096, 6144), ("out", 4096, 4096))
+
+
+def fp8_cases(tokens: int, iters: int, shapes=FP8_SHAPES) -> list[dict]:
+    """Each projection GEMM (tokens x K) @ (K x N) in bf16 and through model.fp8's recipes (jaxtron.model.fp8:
+    quantization and scaling included), forward (2 t K N FLOPs) and forward+backward (3x)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxtron.model import fp8
+
+    rows = []
+    for name, k, n in shapes:
+        keys = jax.random.split(jax.random.key(k + n), 3)
+        x = jax.random.normal(keys[0], (1, tokens, k), jnp.bfloat16)
+        w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+        hist = jnp.ones((16, 3), jnp.float32)
+        for recipe in ("none", "current", "delayed"):
+            f = lambda a, b, r=recipe: fp8.dense("bsd,df->bsf", a, b, r, hist if r == "delayed" else None)
+            for mode, fn, flops in (("fwd", jax.jit(f), 2 * tokens * k * n),
+                                    ("fwd+bwd", _fwd_bwd(f, (0, 1)), 6 * tokens * k * n)):
+                row = {"kernel": f"gemm {name}", "impl": "bf16" if recipe == "none" else f"fp8 {recipe}",
+                       "mode": mode, "seq": tokens}
+                s = _time(fn, x, w, iters=iters)
+                rows.append({**row, "ms": s * 1e3, "tflops": flops / s / 1e12})
+    return rows
+
+
 def _rel(a, b) -> float:
     import numpy as np
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -285,7 +316,6 @@ SWEEP_BWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128
 
 def sweep_cases(seq: int, batch: int, iters: int, packed: bool) -> list[dict]:
     import jax
-    import jax.numpy as jnp
     from pallas_kernels.flash_attention import flash_attention
 
     h, d = 32, 128
@@ -338,6 +368,9 @@ def main(argv=None) -> int:
         return 0
     if args.check:
         rows = [r for seq in args.seq for r in check_cases(seq, args.batch)]
+        if args.json:
+            print(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}))
+            return 0
         for r in rows:
             errs = r.get("error") or "  ".join(f"{k} {v:.2e}" for k, v in r.items()
                                                if k not in ("kernel", "case", "dtype", "seq"))
@@ -355,8 +388,8 @@ def main(argv=None) -> int:
     if not args.json:
         print(f"device: {jax.devices()[0].device_kind}; batch {args.batch}, bf16", flush=True)
     rows = []
-    if args.gmm:
-        rows = gmm_cases(args.tokens, args.iters)
+    if args.gmm or args.fp8:
+        rows = gmm_cases(args.tokens, args.iters) if args.gmm else fp8_cases(args.tokens, args.iters)
         print(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}) if args.json
               else "\n".join(_format(r) for r in rows))
         return 0
@@ -378,7 +411,7 @@ def main(argv=None) -> int:
 
 
 def _format(r: dict) -> str:
-    unit = "tokens" if r["kernel"].startswith("gmm") else "seq"
+    unit = "tokens" if r["kernel"].startswith(("gmm", "gemm")) else "seq"
     what = (f"{r['kernel']:9s} {r['impl']:10s} {r['mode']:8s} {unit} {r['seq']:5d}"
             + (" packed" if r.get("packed") else ""))
     if "error" in r:

@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     from jaxtron.plan.model import param_count
     from jaxtron.train.flops import flops_per_token
     from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.metrics import device_memory
 
     try:
         run = Trainer(cfg)
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     step = run.train_step.lower(run.state, batch).compile()
     compile_s = time.perf_counter() - t0
+    compiled_memory = step.memory_analysis()
 
     state = run.state
     for _ in range(args.warmup):
@@ -119,6 +121,11 @@ def main(argv=None) -> int:
         "step_s": step_s, "step_s_median": step_s_median, "tokens_per_s": tps, "tokens_per_s_per_device": tps / n,
         "final_loss": float(metrics["loss"]),
         "peak_tflops_per_device": run.peak_flops / 1e12 if run.peak_flops else None,
+        "fp8": cfg.model.fp8,
+        # XLA's figures for the compiled step, and what the device itself saw (GPUs report it; CPUs do not)
+        "compiled_temp_bytes": getattr(compiled_memory, "temp_size_in_bytes", None),
+        "compiled_argument_bytes": getattr(compiled_memory, "argument_size_in_bytes", None),
+        "device_peak_gib": device_memory().get("memory_peak_gib"),
     }
     for conv in ("full", "causal"):
         tflops = flops_per_token(cfg.model, seq, conv) * tps / n / 1e12

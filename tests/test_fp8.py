@@ -302,3 +302,18 @@ def test_weights_only_load_into_delayed_starts_empty_histories(tmp_path):
     assert result.final_step == 2 and all(np.isfinite(loss) for _, loss in result.losses)
     hists = _histories(tuned.state)
     assert len(hists) == 7 and all(np.all(h[:, :2] > 0) and np.all(h[:, 2] == 0) for h in hists.values())
+
+
+def test_bench_kernels_times_the_fp8_gemms():
+    """scripts/bench_kernels.py --fp8's cases (GPU-only from the command line) on a small shape here: every
+    recipe, forward and backward, timed."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from bench_kernels import fp8_cases
+
+    rows = fp8_cases(16, 1, shapes=(("small", 32, 16),))
+    assert [(r["impl"], r["mode"]) for r in rows] == [(i, m) for i in ("bf16", "fp8 current", "fp8 delayed")
+                                                      for m in ("fwd", "fwd+bwd")]
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)

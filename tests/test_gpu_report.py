@@ -1,0 +1,40 @@
+"""scripts/gpu_report.py end to end on CPU with the tiny model: the GPU parts are skipped with the reason, the
+training steps and the planner's predictions for them run, and report.json and report.md say so."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import cpu_xla_flags, xla_gpu_plugin_version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_report_on_cpu_with_the_tiny_model(tmp_path):
+    import jax
+
+    env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(1), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "scripts/gpu_report.py", "--out", str(tmp_path), "--tiny",
+                           "--precisions", "none", "delayed"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    parts = {p["part"]: p for p in report["parts"]}
+    assert report["environment"]["platform"] == "cpu"
+    for name in ("kernel-check", "attention", "grouped-matmul", "fp8-gemm"):
+        assert parts[name]["status"] == "skipped" and "needs a GPU" in parts[name]["reason"]
+    for fp8 in ("none", "delayed"):
+        train = parts[f"train/tiny/{fp8}"]
+        assert train["status"] == "ok", train
+        assert train["result"]["fp8"] == fp8 and train["result"]["tokens_per_s"] > 0
+        plan = parts[f"plan/tiny/{fp8}"]
+        if xla_gpu_plugin_version() == jax.__version__:
+            assert plan["status"] == "ok" and plan["result"]["compiler"] == "XLA:GPU", plan
+            assert plan["result"]["roofline"]["tokens_per_s_per_gpu"] > 0
+        else:
+            assert plan["status"] == "skipped" and "plugin" in plan["reason"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| train/tiny/delayed | ok |" in md and "## Training steps" in md
+    row = next(line for line in md.splitlines() if line.startswith("| tiny | delayed | ok |"))
+    assert f"{parts['train/tiny/delayed']['result']['tokens_per_s_per_device']:,.0f}" in row
