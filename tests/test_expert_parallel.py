@@ -280,3 +280,21 @@ def test_ragged_all_to_all_is_refused_on_cpu():
     with pytest.raises(ConfigError, match=r"^model.moe.ep_dispatch: ragged_all_to_all runs on GPUs only") as err:
         Layout.build(cfg, jax.devices())
     assert len(str(err.value).splitlines()) == 1
+
+
+def test_without_expert_parallelism_each_device_runs_only_its_own_tokens():
+    """parallel.expert=1 on data 8: each device sends only its own tokens through the experts (the dispatch's
+    shard_map), so the step's matmul FLOPs per device are an eighth of one device's (GSPMD alone gathered the
+    batch for the dropless sort and ran most of it on every device: 4.9 times the eighth here)."""
+    from helpers import synthetic_batch
+    from jaxtron.plan import hlo
+    from jaxtron.train.loop import Trainer, put_batch
+
+    def flops(overrides, devices):
+        cfg = tiny_config(*EP_MOE, "model.num_layers=2", "train.global_batch_size=8", *overrides)
+        trainer = Trainer(cfg, devices)
+        batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
+        return hlo.dot_flops(trainer.train_step.lower(trainer.state, batch).compile().as_text())["total"]
+
+    one, eight = flops(("parallel.data=1",), jax.devices()[:1]), flops(("parallel.data=8",), jax.devices())
+    assert eight == pytest.approx(one / 8, rel=0.02), (one, eight)

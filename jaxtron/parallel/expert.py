@@ -31,7 +31,10 @@ half's expert matmuls with ``optimization_barrier``, so that XLA can overlap the
 
 The expert weights enter the shard_map split over ``expert`` only, so FSDP's gather of them happens at its
 boundary and the transpose sums their gradients over the batch axes (``check_vma=False``: every output is
-split over every manual axis, so the transpose psums exactly the replicated inputs' cotangents).
+split over every manual axis, so the transpose psums exactly the replicated inputs' cotangents), in the
+parameter dtype (the grouped matmuls cast them inside). Without an expert axis the same shard_map runs each
+device's own tokens through every expert (:func:`_local`); on GPUs the weights are then cast to the compute
+dtype before the boundary, so the gathers and gradient reductions move bf16.
 """
 
 from __future__ import annotations
@@ -92,25 +95,26 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     ``ffn(rows sorted by expert, group_sizes [E_local], *local expert weights) -> rows`` (fp32 or x's dtype);
     ``moe``: the model's MoE config (``ep_dispatch``, ``ep_capacity_factor``, ``ep_overlap``).
     Returns (y [B, S, D] in x's dtype, dropped assignments as an fp32 scalar). Without an expert axis of size
-    > 1 (or a batch that does not split over the devices, e.g. a few prompts in generation), ``plain()``:
-    the dropless dispatch on the whole batch, which GSPMD runs on the same split weights."""
+    > 1, each device runs its own tokens through every expert in the same ``shard_map`` (:func:`_local`: no
+    exchange, nothing dropped); left to GSPMD, the dropless dispatch's sort over the batch-split tokens gathers
+    the whole batch onto every device, which then repeats the whole batch's expert work. A batch that does not
+    split over the devices (a few prompts in generation) or a single device: ``plain()``, the dropless dispatch
+    on the whole batch."""
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from jaxtron.parallel.sharding import current_context
+    from jaxtron.parallel.sharding import current_context, devices_are_cpu
 
     ctx = current_context()
     if ctx is None or ctx[1] is None:
         return plain()
     rules, mesh = ctx
     ep_axes = tuple(a for a in _split((WEIGHT_NAME,), rules) if mesh.shape[a] > 1)
-    if not ep_axes:
-        return plain()
     batch, seq = _split(("act_batch",), rules), _split(("act_seq",), rules)
     assert set(ep_axes) <= set(batch), f"expert axes {ep_axes} must split the batch ({batch}): EP within DP"
     n_batch = math.prod(mesh.shape[a] for a in batch)
     n_seq = math.prod(mesh.shape[a] for a in seq)
-    if x.shape[0] % n_batch or x.shape[1] % n_seq:
+    if x.shape[0] % n_batch or x.shape[1] % n_seq or n_batch * n_seq == 1:
         return plain()
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     t, k = (x.shape[0] // n_batch) * (x.shape[1] // n_seq), experts.shape[-1]
@@ -118,8 +122,15 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     overlap = moe.ep_overlap and t % 2 == 0  # a single decoding token per device goes in one piece
     cap = capacity(t // 2 if overlap else t, k, ep, local_experts, moe.ep_capacity_factor)
 
+    if ep == 1 and not devices_are_cpu():
+        # cast before the boundary: FSDP gathers the weights there, and the transpose reduces their gradients,
+        # both in bf16 (XLA:CPU aborts on a bf16 all-reduce there; on CPU ``ffn`` casts inside instead)
+        expert_weights = [w.astype(x.dtype) for w in expert_weights]
+
     def body(x, experts, weights, *local_weights):
-        if moe.ep_dispatch == "ragged_all_to_all":
+        if ep == 1:
+            y, dropped = _local(x, experts, weights, local_weights, ffn)
+        elif moe.ep_dispatch == "ragged_all_to_all":
             y, dropped = _ragged_exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, ep * cap)
         else:
             y, dropped = _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap, overlap)
@@ -127,7 +138,7 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
 
     tokens = P(batch or None, seq or None, None)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens) + tuple(
-                               P(ep_axes, *([None] * (w.ndim - 1))) for w in expert_weights),
+                               P(ep_axes or None, *([None] * (w.ndim - 1))) for w in expert_weights),
                            out_specs=(tokens, P(batch or None, seq or None)),
                            axis_names=frozenset(batch + seq), check_vma=False)
     y, dropped = mapped(x, experts, weights, *expert_weights)
@@ -204,6 +215,18 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
     return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                      axis_name=axis_name)
+
+
+def _local(x, experts, weights, local_weights, ffn):
+    """Without expert parallelism: one device's tokens x [b, s, D] through every expert (dropless)."""
+    import jax.numpy as jnp
+
+    b, s, d = x.shape
+    t, k = b * s, experts.shape[-1]
+    rows = jnp.take(x.reshape(t, d), jnp.arange(t * k) // k, axis=0)        # assignment a: token a // k
+    out = _run_experts(rows, experts.reshape(t * k), local_weights, ffn)
+    y = jnp.sum(out.astype(jnp.float32).reshape(t, k, d) * weights.reshape(t, k, 1), axis=1)
+    return y.astype(x.dtype).reshape(b, s, d), jnp.zeros((), jnp.float32)
 
 
 def _run_experts(rows, row_ids, local_weights, ffn):
