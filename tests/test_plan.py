@@ -332,10 +332,11 @@ def test_moe_plan_counts_every_expert_in_memory_and_active_ones_in_flops(dispatc
     assert executed == pytest.approx(pmoe.expert_flops_per_device(cfg, layout, "as_compiled"), rel=0.01)
     grouped = moe["expert_matmul_flops_per_device"]["grouped"]
     assert grouped == 3 * 2 * (2 * 3 * 64 * 32 * 2) * 16 * 32 / 8  # 2 layers, top-2, tokens per device
-    # dropless: every row times all 4 experts, on the rows of both data shards; capacity: 1.25 x the slots
-    assert executed / grouped == pytest.approx(4 * 2 if dispatch == "dropless" else 1.25 * 2, rel=0.01)
+    # dropless: the device's own rows, each times all 4 experts; capacity: 1.25 x the slots of both data shards
+    assert executed / grouped == pytest.approx(4 if dispatch == "dropless" else 1.25 * 2, rel=0.01)
     assert moe["gemm"] == "as_compiled" and moe["alternative"]["gemm"] == "grouped"
-    assert moe["alternative"]["step_time_s"] < r["roofline"]["step_time_s"]
+    # (this tiny model's step is bound by weight gathers, which hide either GEMM's time)
+    assert moe["alternative"]["step_time_s"] <= r["roofline"]["step_time_s"]
     assert any("masked dense matmul" in n for n in r["notes"])
 
 
@@ -364,7 +365,7 @@ def test_xla_gpu_lowers_ragged_dot_to_a_masked_dense_matmul():
     r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, *MOE_LAYOUT)
     assert r["compiler"] == "XLA:GPU" and r["params"]["total"] == _moe_by_hand()[0]
     flops = r["moe"]["expert_matmul_flops_per_device"]
-    assert flops["as_compiled_hlo"] == pytest.approx(4 * 2 * flops["grouped"], rel=0.01)  # E x, both data shards
+    assert flops["as_compiled_hlo"] == pytest.approx(4 * flops["grouped"], rel=0.01)  # E x, the device's own rows
 
 
 MIXTRAL_EP = ["parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=4", "parallel.data=1",

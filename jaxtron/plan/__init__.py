@@ -156,11 +156,11 @@ MOE_GEMM_NOTES = {
     "as_compiled": "MoE: the roofline runs the routed experts as compiled, their FLOPs counted in the optimized "
                    "HLO: dropless jax.lax.ragged_dot is lowered by XLA to a group-masked dense matmul (E x a "
                    "grouped GEMM's FLOPs; E/parallel.expert with expert parallelism), capacity dispatch to "
-                   "dense einsums over the capacity slots, on the rows each device gets (without "
-                   "parallel.expert GSPMD gathers the global micro batch; with it, each device's exchange "
-                   "buffers)",
+                   "dense einsums over the capacity slots, on the rows each device gets (dropless: its own "
+                   "tokens, or with parallel.expert its exchange buffers; capacity: GSPMD gathers the global "
+                   "micro batch)",
     "grouped": "MoE: the roofline assumes a grouped-GEMM kernel (model.moe.gmm_impl=pallas; not timed on a "
-               "GPU) over a dispatch that keeps tokens on their device (parallel.expert's, or one like it): "
+               "GPU) over a dispatch that keeps tokens on their device (dropless's): "
                "the routed experts execute their active FLOPs only; the expert-parallel all-to-all stays, "
                "GSPMD's dispatch collectives over the batch axes are left out; memory is still the compiled "
                "program's",

@@ -207,11 +207,12 @@ def _comm(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndar
     on their device) those spanning the batch axes are left out."""
     moe = bool(moe_layer_count(cfg.model))
     ep = moe and pmoe.expert_parallel(cfg, layout)
+    own = moe and pmoe.keeps_tokens(cfg, layout)  # the dispatch's collectives are its exchanges only
     out = {"exposed": 0.0, "overlappable": 0.0, "by_link": {"nvlink": 0.0, "network": 0.0}, "per_kind": {}}
     for op in ops:
         axes, cross = classify(op, layout, node_of)
         dispatch = moe and bool(pmoe.DISPATCH_COLLECTIVES.search(op.op_name)) and (
-            not ep or op.kind in pmoe.EXCHANGES)
+            not own or op.kind in pmoe.EXCHANGES)
         if op.wire_bytes == 0 or (dispatch and moe_gemm == "grouped" and not layout.on_critical_path(axes)):
             continue
         wire = op.wire_bytes

@@ -5,15 +5,17 @@ What the compiled step does with the routed experts (read from XLA:GPU's optimiz
 16 H100s; ``python -m jaxtron.plan`` counts the real figures from the HLO, these closed forms rank ``--search``
 candidates before compiling):
 
-* ``dropless`` argsorts the (token, expert) assignments of the whole micro batch. That dimension is split over
-  the batch axes and GSPMD does not sort a split dimension in place, so every device gathers the assignments
-  of all batch shards: its expert matmuls run on ``rows = micro batch x data x fsdp x seq x k`` rows (the
-  global micro batch), their contraction (hidden) split over fsdp x context (the experts' ``embed`` axis) and
-  their width over tensor. Over ``data`` the expert work is therefore repeated, not split.
+* ``dropless`` runs each device's own tokens through the experts inside a ``shard_map`` over the batch (and
+  context) axes (:func:`jaxtron.parallel.expert.dispatch`): ``rows = t x k`` with ``t = micro batch x seq /
+  context`` per device, the experts' hidden dim gathered at the shard_map boundary (like FSDP's other
+  gathers) and their width split over tensor; no dispatch collective. (Left to GSPMD, the sort over the
+  batch-split assignments gathered the global micro batch onto every device and repeated the expert work
+  over ``data``.) On a single device, the whole micro batch.
 * ``jax.lax.ragged_dot`` is lowered to a group-masked dense matmul: each row is multiplied by all E experts'
   weights (E times a grouped GEMM's FLOPs) and the input is expanded E times in memory.
 * ``capacity`` runs dense einsums over ``E x C`` slots, ``C = ceil(capacity_factor x T x k / E)`` with T the
-  tokens of the global micro batch (gathered the same way): ``capacity_factor`` times the active FLOPs.
+  tokens of the global micro batch (GSPMD gathers them for the slot assignment): ``capacity_factor`` times
+  the active FLOPs, repeated over ``data``.
 
 With expert parallelism (``parallel.expert`` > 1, dropless) the dispatch is jaxtron's own
 (:mod:`jaxtron.parallel.expert`): each device keeps its tokens (``t = micro batch x seq / context``) and
@@ -57,6 +59,12 @@ def expert_parallel(cfg: Config, layout: Layout) -> bool:
     return layout.expert > 1 and cfg.model.moe.dispatch == "dropless"
 
 
+def keeps_tokens(cfg: Config, layout: Layout) -> bool:
+    """Whether each device dispatches only its own tokens (dropless, with the batch or sequence split: the
+    dispatch's shard_map, with or without an expert axis)."""
+    return cfg.model.moe.dispatch == "dropless" and layout.dp * layout.context > 1
+
+
 def ep_rows(cfg: Config, layout: Layout) -> int:
     """EP x C rows each device receives per MoE layer and micro batch (module doc); with ``ep_overlap``, the
     sum over its two halves."""
@@ -90,11 +98,13 @@ def ffn_params(m, active: bool = False) -> int:
 
 def dispatch_rows(cfg: Config, layout: Layout) -> float:
     """Rows each device's routed-expert matmuls run on, per MoE layer and micro batch, as compiled (module
-    doc): the assignments of the global micro batch, or the E x C capacity slots, or with expert parallelism
-    the EP x C received rows."""
+    doc): with expert parallelism the EP x C received rows, else the device's own assignments (dropless) or the
+    E x C capacity slots of the global micro batch."""
     e = cfg.model.moe
     if expert_parallel(cfg, layout):
         return ep_rows(cfg, layout)
+    if keeps_tokens(cfg, layout):
+        return layout.micro_batch_size * cfg.data.seq_len // layout.context * e.num_experts_per_token
     tokens = layout.micro_batch_size * layout.dp * cfg.data.seq_len
     if e.dispatch == "capacity":
         return e.num_experts * math.ceil(e.capacity_factor * tokens * e.num_experts_per_token / e.num_experts)
@@ -127,10 +137,10 @@ def _masked_groups(cfg: Config, layout: Layout) -> int:
 
 
 def _contraction(cfg: Config, layout: Layout) -> float:
-    """The experts' hidden dim as each device multiplies it: gathered inside the expert-parallel dispatch,
-    split over fsdp x context by GSPMD otherwise."""
+    """The experts' hidden dim as each device multiplies it: gathered inside the dispatch's shard_map, split
+    over fsdp x context by GSPMD otherwise (capacity dispatch)."""
     d = cfg.model.hidden_size
-    return d if expert_parallel(cfg, layout) else d / layout.zero_shards
+    return d if keeps_tokens(cfg, layout) else d / layout.zero_shards
 
 
 def act_bytes_per_token(m, t: int, remat: str) -> float:
@@ -167,11 +177,13 @@ def dispatch_comm_bytes(cfg: Config, layout: Layout) -> float:
     """Wire bytes per device per step of the dispatch's collectives (ranking only). Expert parallelism: the
     bf16 rows exchanged there and back, forward, backward and recomputation (:func:`exchange_bytes`). As
     compiled without it: the fp32 partial sums of the experts' split matmuls all-reduced, about twice their
-    size on the wire, forward, backward and recomputation."""
+    size on the wire, forward, backward and recomputation (capacity dispatch; dropless keeps its tokens)."""
     if layout.num_devices == 1:
         return 0.0
     if expert_parallel(cfg, layout):
         return exchange_bytes(cfg, layout)
+    if keeps_tokens(cfg, layout):
+        return 0.0
     m, e = cfg.model, cfg.model.moe
     width = 2 * e.expert_intermediate_size / layout.tp + m.hidden_size
     passes = 3 * remat_factor(cfg)
