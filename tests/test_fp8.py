@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from helpers import NONZERO_LR, assert_same_training, tiny_config, training_record
+from jaxtron import config as config_lib
 from jaxtron.config import ConfigError
 from jaxtron.model import fp8
 from test_plan import SMALL, _cfg, _cli, needs_xla_gpu, pm
@@ -317,3 +318,22 @@ def test_bench_kernels_times_the_fp8_gemms():
     assert [(r["impl"], r["mode"]) for r in rows] == [(i, m) for i in ("bf16", "fp8 current", "fp8 delayed")
                                                       for m in ("fwd", "fwd+bwd")]
     assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+@needs_xla_gpu
+def test_xla_gpu_llama3_8b_runs_every_projection_in_fp8():
+    """Llama-3-8B on 8 H100 (FSDP 8, micro batch 1 x 8192): the dgrad and the wgrad dots on FP8 operands have
+    exactly the projections' FLOPs for one layer's micro batch (the scanned body, counted once), the forward
+    ones at least that (remat=full recomputes all but the down projection), and the only bf16 dot left is
+    the LM head's forward (its backward runs on the fp32 logits' cotangent)."""
+    r = _cli("--config", "llama3_8b", "--gpu", "h100", "--num-gpus", "8", "parallel.data=1", "parallel.fsdp=8",
+             "parallel.tensor=1", "train.micro_batch_size=1", "model.fp8=current", timeout=900)
+    m = config_lib.load("llama3_8b", []).model
+    d, hd, tokens = m.hidden_size, m.hidden_size // m.num_heads, 8192
+    forward = 2.0 * tokens * (d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * m.intermediate_size)
+    dots = r["dots"]
+    assert dots["f8e5m2 x f8e4m3fn"]["flops"] == pytest.approx(forward, rel=1e-9), dots
+    assert dots["f8e4m3fn x f8e5m2"]["flops"] == pytest.approx(forward, rel=1e-9), dots
+    assert dots["f8e4m3fn x f8e4m3fn"]["flops"] >= forward
+    assert dots["bf16 x bf16"]["flops"] == pytest.approx(2.0 * tokens * d * m.vocab_size, rel=1e-9), dots
