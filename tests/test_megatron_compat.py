@@ -3,14 +3,13 @@ code (scripts/megatron_golden.py; the commit is in tests/data/megatron/cases.jso
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 
 from jaxtron.data.blending import BlendedDataset, parse_blend
 from jaxtron.data.builder import build_datasets
-from jaxtron.data.gpt_dataset import GPTDataset, make_batch_fields, split_documents
+from jaxtron.data.gpt_dataset import GPTDataset, split_documents
 from jaxtron.data.indexed import IndexedDataset, IndexedDatasetWriter, idx_path
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "megatron")

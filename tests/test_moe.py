@@ -154,7 +154,7 @@ def test_capacity_with_room_for_all_equals_dropless():
     dropless = _layer(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless")))
     cap = _layer(cfg)
     x = _x()
-    (y1, s1), (y2, s2) = dropless(x), cap(x)
+    (y1, _), (y2, s2) = dropless(x), cap(x)
     assert float(s2["dropped"]) == 0.0
     np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), rtol=1e-5, atol=1e-7)
 

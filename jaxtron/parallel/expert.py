@@ -189,7 +189,7 @@ def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int, 
     import jax.numpy as jnp
 
     b, s, d = x.shape
-    t, k = b * s, experts.shape[-1]
+    t = b * s
     local_experts = local_weights[0].shape[0]
     exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731  chunk j <-> rank j
     run = lambda rows, ids: _run_experts(rows, ids, local_weights, ffn).astype(x.dtype)  # noqa: E731

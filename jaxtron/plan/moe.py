@@ -157,7 +157,7 @@ def act_bytes_per_token(m, t: int, remat: str) -> float:
 def working_bytes(cfg: Config, layout: Layout) -> float:
     """The live set of one MoE layer's forward and backward on one device as compiled: the masked matmuls'
     inputs expanded E times (bf16) and their fp32 outputs on the dispatched rows, forward and backward."""
-    m, e = cfg.model, cfg.model.moe
+    e = cfg.model.moe
     rows = dispatch_rows(cfg, layout)
     d, f = _contraction(cfg, layout), e.expert_intermediate_size / layout.tp
     expand = _masked_groups(cfg, layout)
