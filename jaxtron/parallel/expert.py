@@ -31,10 +31,10 @@ half's expert matmuls with ``optimization_barrier``, so that XLA can overlap the
 
 The expert weights enter the shard_map split over ``expert`` only, so FSDP's gather of them happens at its
 boundary and the transpose sums their gradients over the batch axes (``check_vma=False``: every output is
-split over every manual axis, so the transpose psums exactly the replicated inputs' cotangents), in the
-parameter dtype (the grouped matmuls cast them inside). Without an expert axis the same shard_map runs each
-device's own tokens through every expert (:func:`_local`); on GPUs the weights are then cast to the compute
-dtype before the boundary, so the gathers and gradient reductions move bf16.
+split over every manual axis, so the transpose psums exactly the replicated inputs' cotangents). On GPUs they
+are cast to the compute dtype before the boundary, so those gathers and reductions move bf16; on CPUs the
+grouped matmuls cast them inside (XLA:CPU aborts on the bf16 all-reduce the transpose would get). Without an
+expert axis the same shard_map runs each device's own tokens through every expert (:func:`_local`).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     overlap = moe.ep_overlap and t % 2 == 0  # a single decoding token per device goes in one piece
     cap = capacity(t // 2 if overlap else t, k, ep, local_experts, moe.ep_capacity_factor)
 
-    if ep == 1 and not devices_are_cpu():
+    if not devices_are_cpu():
         # cast before the boundary: FSDP gathers the weights there, and the transpose reduces their gradients,
         # both in bf16 (XLA:CPU aborts on a bf16 all-reduce there; on CPU ``ffn`` casts inside instead)
         expert_weights = [w.astype(x.dtype) for w in expert_weights]
