@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxtron.model.layers import apply_rope, rope_tables, rotate
-from jaxtron.model.projection import _cpu_contract, _cpu_project, contract, project
+from jaxtron.model.projection import _cpu_contract, _cpu_project, _rounded_project, contract, project
 from pallas_kernels.rope import rope_inv_freq, rope_reference
 
 SPECS = {  # spec: (x shape, w shape), as the model uses them
@@ -22,6 +22,13 @@ SPECS = {  # spec: (x shape, w shape), as the model uses them
 @pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, jnp.float32), (jnp.bfloat16, None)])
 def test_cpu_projection_matches_einsum(spec, dtype, out_dtype):
     _check_against_einsum(spec, SPECS[spec], dtype, out_dtype, _cpu_project, project)
+
+
+@pytest.mark.parametrize("spec", ["bsd,df->bsf", "bshk,hkd->bsd"])
+def test_gpu_projection_with_fp32_logits_matches_einsum(spec):
+    """The GPU path of a bf16 projection with an fp32 result (the LM head): its backward rounds the cotangent to
+    bf16 (XLA:GPU would otherwise run fp32 x fp32 GEMMs; tests/test_fp8.py checks the compiled 8B step)."""
+    _check_against_einsum(spec, SPECS[spec], jnp.bfloat16, jnp.float32, _rounded_project, project)
 
 
 CONTRACT_SPECS = {  # attention's two contractions (GQA: 2 kv heads, 2 queries per kv head)

@@ -1,11 +1,15 @@
 """The model's matmuls: ``project(spec, x, w)`` (activations with a weight: every linear layer and the LM head)
 and ``contract(spec, a, b)`` (activations with activations: attention scores and values).
 
-On GPUs and TPUs both are ``jnp.einsum``. On CPUs they are ``custom_vjp``s shaped for XLA:CPU:
+On GPUs and TPUs both are ``jnp.einsum``, except a projection of 16-bit operands with an fp32 result (the LM
+head's logits): its backward rounds the fp32 cotangent to the operands' dtype first, as on CPUs (below).
+Left to JAX, the transpose multiplies the fp32 cotangent by the bf16 weight, which XLA:GPU runs as fp32 x fp32
+GEMMs: the LM head's backward, twice its forward's FLOPs, at the fp32/TF32 rate. On CPUs both are
+``custom_vjp``s shaped for XLA:CPU:
 
 - Every matmul accumulates in fp32 and rounds its result afterwards. JAX 0.10's XLA:CPU runs a bf16 x bf16
   matmul on its native kernel (AVX512-BF16) only when the result is fp32; asked for a bf16 result it converts
-  both operands to fp32 first and takes the fp32 kernel, about twice as slow (``scripts/bench_cpu_matmul.py``;
+  both operands to fp32 first and takes the fp32 kernel, about twice as slow (``scripts/bench_rounding_matmul.py``;
   JAX 0.12 runs both natively, at the same speed).
 - In the backward of bf16 inputs, an fp32 cotangent (the LM head's, whose logits are fp32 for the loss, and
   attention's, whose softmax is fp32) is rounded to bf16 before its two matmuls, as Megatron and MaxText do
@@ -37,7 +41,7 @@ def _parse(spec: str) -> tuple[str, str, str]:
     return a, b, out
 
 
-def _cpu_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+def _einsum_f32(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
     out_dtype = out_dtype or jnp.result_type(a, b)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
 
@@ -49,15 +53,15 @@ def _cotangent(dy: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return dy
 
 
-def _cpu_matmul(grads):
-    """A ``custom_vjp`` matmul ``(spec, a, b, out_dtype)`` computed by ``_cpu_einsum``, whose backward is
+def _rounding_matmul(grads):
+    """A ``custom_vjp`` matmul ``(spec, a, b, out_dtype)`` computed by ``_einsum_f32``, whose backward is
     ``grads(spec, a, b, dy) -> (da, db)`` with ``dy`` already in the inputs' dtype (``_cotangent``)."""
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
     def matmul(spec, a, b, out_dtype):
-        return _cpu_einsum(spec, a, b, out_dtype)
+        return _einsum_f32(spec, a, b, out_dtype)
 
     def fwd(spec, a, b, out_dtype):
-        return _cpu_einsum(spec, a, b, out_dtype), (a, b)
+        return _einsum_f32(spec, a, b, out_dtype), (a, b)
 
     def bwd(spec, out_dtype, res, dy):
         a, b = res
@@ -69,23 +73,29 @@ def _cpu_matmul(grads):
 
 def _project_grads(spec, x, w, dy):
     xs, ws, ys = _parse(spec)
-    dx = _cpu_einsum(f"{ys},{ws}->{xs}", dy, w, x.dtype)
+    dx = _einsum_f32(f"{ys},{ws}->{xs}", dy, w, x.dtype)
     # Axes of x that the weight lacks (batch, sequence) go last: the contraction runs over x's minor axes.
     xt_spec = "".join(a for a in xs if a in ws) + "".join(a for a in xs if a not in ws)
     # The barrier keeps XLA from folding the transpose back into the dot (which is what it would otherwise
     # lay out the other way round).
     xt = jax.lax.optimization_barrier(jnp.einsum(f"{xs}->{xt_spec}", x))
-    dw = _cpu_einsum(f"{xt_spec},{ys}->{ws}", xt, dy, w.dtype)
+    dw = _einsum_f32(f"{xt_spec},{ys}->{ws}", xt, dy, w.dtype)
     return dx, dw
 
 
 def _contract_grads(spec, a, b, dy):
     as_, bs, ys = _parse(spec)
-    return _cpu_einsum(f"{ys},{bs}->{as_}", dy, b, a.dtype), _cpu_einsum(f"{as_},{ys}->{bs}", a, dy, b.dtype)
+    return _einsum_f32(f"{ys},{bs}->{as_}", dy, b, a.dtype), _einsum_f32(f"{as_},{ys}->{bs}", a, dy, b.dtype)
 
 
-_cpu_project = _cpu_matmul(_project_grads)
-_cpu_contract = _cpu_matmul(_contract_grads)
+def _plain_project_grads(spec, x, w, dy):
+    xs, ws, ys = _parse(spec)
+    return _einsum_f32(f"{ys},{ws}->{xs}", dy, w, x.dtype), _einsum_f32(f"{xs},{ys}->{ws}", x, dy, w.dtype)
+
+
+_cpu_project = _rounding_matmul(_project_grads)
+_cpu_contract = _rounding_matmul(_contract_grads)
+_rounded_project = _rounding_matmul(_plain_project_grads)  # fp32 accumulation everywhere; nothing CPU-specific
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
@@ -93,6 +103,9 @@ def project(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     e.g. ``"bsd,df->bsf"``."""
     if devices_are_cpu():
         return _cpu_project(spec, x, w, out_dtype)
+    if out_dtype is not None and jnp.dtype(out_dtype).itemsize > jnp.dtype(x.dtype).itemsize == 2 \
+            and x.dtype == w.dtype:
+        return _rounded_project(spec, x, w, out_dtype)
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
 
 
