@@ -3,8 +3,10 @@
 import os
 
 import numpy as np
+import pytest
 
 from helpers import tiny_config
+from jaxtron.config import ConfigError
 from jaxtron.data import IndexedDataset
 from jaxtron.data.builtin import EOD, BuiltinCorpus, prepare_builtin, stdlib_root
 
@@ -32,3 +34,11 @@ def test_builtin_corpus_is_prepared_once_as_indexed_files(tmp_path):
     assert other["train"] != prefixes["train"]  # another setting, another cache entry
     b = corpus.train_batch(0, 8)
     assert b["inputs"].shape == (8, cfg.data.seq_len) and int(b["inputs"].max()) < 256
+
+
+def test_too_small_a_corpus_is_a_one_line_config_error(tmp_path):
+    # 1000 bytes hold a few files, none of them held out
+    cfg = tiny_config(f"data.cache_dir={tmp_path}", "data.max_corpus_bytes=1000", "data.valid_fraction=0.01")
+    with pytest.raises(ConfigError, match=r"^data.max_corpus_bytes: .*too little text.*held-out") as err:
+        prepare_builtin(cfg.data)
+    assert "\n" not in str(err.value)

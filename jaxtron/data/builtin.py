@@ -109,9 +109,9 @@ def prepare_builtin(cfg: DataConfig) -> dict[str, str]:
             writers[name].add_document(np.frombuffer(data + bytes([EOD]), dtype=np.uint8))
             counts[name] += 1
         if not counts["train"] or not counts["valid"]:
-            raise RuntimeError(f"data.source=builtin: found too little text under {root} "
-                               f"({counts['train']} train / {counts['valid']} held-out files; raise "
-                               f"data.max_corpus_bytes or data.valid_fraction)")
+            raise ConfigError("data.max_corpus_bytes", f"data.source=builtin found too little text under {root} "
+                              f"({counts['train']} train / {counts['valid']} held-out files); raise "
+                              f"data.max_corpus_bytes or data.valid_fraction")
     except BaseException:
         for w in writers.values():
             w.abort()
