@@ -135,8 +135,9 @@ class ModelConfig:
     fp8: str = _f("none", "FP8 matmuls for the decoder's dense projections (QKV, attention output, gate/up, "
                           "down, shared experts; jaxtron/model/fp8.py), e4m3 operands and e5m2 gradients: 'none', "
                           "'current' (each tensor scaled by its own amax in this step) or 'delayed' (scaled by the "
-                          "max amax of the last fp8_amax_history steps, kept as checkpointed model state). "
-                          "Embedding, LM head, norms, attention, router and routed experts stay in model.dtype.")
+                          "max amax of the last fp8_amax_history steps, kept as checkpointed model state). Routed "
+                          "MoE experts under gmm_impl=ragged_dot run in FP8 with current scaling under either "
+                          "recipe. Embedding, LM head, norms, attention and router stay in model.dtype.")
     fp8_amax_history: int = _f(16, "model.fp8=delayed: steps of amax history per tensor (Transformer Engine's "
                                    "amax_history_len).")
     fp8_margin: int = _f(0, "model.fp8=delayed: scales are amax * 2^margin / format max (headroom for growth).")

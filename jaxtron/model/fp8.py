@@ -213,3 +213,34 @@ def with_fresh_histories(params, abstract):
         else:
             out[k] = with_fresh_histories(params[k], v)
     return out
+
+
+@jax.custom_vjp
+def grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(x [M, K], w [G, K, N], group_sizes)`` (the routed MoE experts) in FP8 with current
+    scaling: e4m3 x and w (one scale for the whole expert stack), an e5m2 incoming gradient; fp32 result. The
+    backward's dgrad is a ragged dot on the transposed experts, its wgrad a ragged dot contracting each
+    group's rows (``ragged_dot_general``), both on FP8 operands."""
+    return _grouped_fwd(x, w, group_sizes)[0]
+
+
+def _grouped_fwd(x, w, group_sizes):
+    sx, sw = scale_of(x, E4M3), scale_of(w, E4M3)
+    x8, w8 = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
+    y = jax.lax.ragged_dot(x8, w8, group_sizes, preferred_element_type=jnp.float32) * (sx * sw)
+    kinds = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return y, (x8, w8, sx, sw, group_sizes, kinds)
+
+
+def _grouped_bwd(res, g):
+    x8, w8, sx, sw, group_sizes, (x_kind, w_kind) = res
+    sg = scale_of(g, E5M2)
+    g8 = quantize(g, E5M2, sg)
+    dx = jax.lax.ragged_dot(g8, jnp.swapaxes(w8, 1, 2), group_sizes, preferred_element_type=jnp.float32)
+    rows = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    dw = jax.lax.ragged_dot_general(x8, g8, group_sizes, rows, preferred_element_type=jnp.float32)
+    return (dx * (sg * sw)).astype(x_kind.dtype), (dw * (sx * sg)).astype(w_kind.dtype), None
+
+
+grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig
-from jaxtron.model import routing
+from jaxtron.model import fp8, routing
 from jaxtron.model.layers import SwiGLU, param
 from jaxtron.model.projection import project
 from jaxtron.parallel import expert as expert_parallel
@@ -49,8 +49,11 @@ def _swiglu_experts(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
     return jax.nn.silu(h_gate) * h_up
 
 
-def _grouped_matmul(gmm_impl: str):
-    """(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> fp32 [M, N], by ``model.moe.gmm_impl``."""
+def _grouped_matmul(gmm_impl: str, fp8_recipe: str = "none"):
+    """(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> fp32 [M, N], by ``model.moe.gmm_impl``; with
+    ``model.fp8`` and ragged_dot, in FP8 (current scaling under either recipe: jaxtron.model.fp8.grouped)."""
+    if gmm_impl == "ragged_dot" and fp8_recipe != "none":
+        return fp8.grouped
     if gmm_impl == "pallas":
         from jaxtron.model import kernels
 
@@ -58,15 +61,15 @@ def _grouped_matmul(gmm_impl: str):
     return lambda a, w, sizes: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
 
 
-def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, gmm_impl: str = "ragged_dot"):
+def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, gmm_impl: str = "ragged_dot", fp8_recipe: str = "none"):
     """The routed SwiGLU experts on rows sorted by expert: group e (the next group_sizes[e] rows) through
     expert e's weights; rows past the groups come out as zeros."""
-    grouped = _grouped_matmul(gmm_impl)
+    grouped = _grouped_matmul(gmm_impl, fp8_recipe)
     dot = lambda a, w: grouped(a, w, group_sizes).astype(a.dtype)  # noqa: E731
     return dot(_swiglu_experts(dot(xs, w_gate), dot(xs, w_up)), w_down)
 
 
-def dropless(x, r: routing.Routing, w_gate, w_up, w_down, gmm_impl: str = "ragged_dot"):
+def dropless(x, r: routing.Routing, w_gate, w_up, w_down, gmm_impl: str = "ragged_dot", fp8_recipe: str = "none"):
     """x: [T, D]; experts/weights: [T, k]; weights [E, D, F], [E, F, D] -> [T, D]."""
     t, k = r.experts.shape
     num_experts = w_gate.shape[0]
@@ -74,7 +77,7 @@ def dropless(x, r: routing.Routing, w_gate, w_up, w_down, gmm_impl: str = "ragge
     order = jnp.argsort(flat, stable=True)                         # assignments grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)                           # [T*k, D] in expert order
-    ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, gmm_impl)
+    ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, gmm_impl, fp8_recipe)
     y = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # back to token order
     combined = jnp.sum(y.astype(jnp.float32) * r.weights[..., None], axis=1)
     return combined.astype(x.dtype), jnp.zeros((), jnp.float32)
@@ -116,6 +119,7 @@ class MoE(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         std, out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
         self.moe = e
+        self.fp8 = cfg.fp8
         self.router = param(rngs, (d, n), ("embed", ROUTER_EXPERTS), std, pd)
         self.w_gate = param(rngs, (n, d, f), (EXPERTS, "embed", "mlp"), std, pd)
         self.w_up = param(rngs, (n, d, f), (EXPERTS, "embed", "mlp"), std, pd)
@@ -161,7 +165,8 @@ class MoE(nnx.Module):
         in its AllReducePromotion pass)."""
         b, s, d = x.shape
         cast = lambda ws: [a.astype(x.dtype) for a in ws]  # noqa: E731
-        plain = lambda: dropless(x.reshape(b * s, d), r, *cast(w), gmm_impl=self.moe.gmm_impl)  # noqa: E731
-        ffn = lambda xs, sizes, *ws: expert_ffn(xs, sizes, *cast(ws), gmm_impl=self.moe.gmm_impl)  # noqa: E731
+        kw = {"gmm_impl": self.moe.gmm_impl, "fp8_recipe": self.fp8}
+        plain = lambda: dropless(x.reshape(b * s, d), r, *cast(w), **kw)  # noqa: E731
+        ffn = lambda xs, sizes, *ws: expert_ffn(xs, sizes, *cast(ws), **kw)  # noqa: E731
         per_token = lambda a: a.reshape(b, s, -1)  # noqa: E731
         return expert_parallel.dispatch(x, per_token(r.experts), per_token(r.weights), w, ffn, plain, self.moe)

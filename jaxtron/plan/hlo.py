@@ -357,17 +357,19 @@ def async_overlap(text: str, kind: str = "collective-permute", marker: str = "")
     return pairs
 
 
-def dot_operand_types(text: str) -> dict[str, dict]:
+def dot_operand_types(text: str, marker: str = "") -> dict[str, dict]:
     """The ``dot`` instructions of an optimized module by their operands' element types, each instruction once
     (loop bodies not multiplied): {"bf16 x bf16": {"dots": 12, "flops": ...}, "f8e4m3fn x f8e4m3fn": ...}. An FP8
     GEMM is a dot on FP8 operands (XLA:GPU runs it as a cuBLASLt or Triton FP8 GEMM). XLA may merge dots that
-    share an operand (q, k and v), so FLOPs, not counts, say which share of the matmuls is FP8."""
+    share an operand (q, k and v), so FLOPs, not counts, say which share of the matmuls is FP8. ``marker``: only
+    the dots whose op_name matches that regular expression (e.g. the MoE experts' scope)."""
     out: dict[str, dict] = {}
     for instrs in parse_module(text).computations.values():
         shapes = {name: shape for name, shape, _op, _rest in instrs}
         for _name, shape, opcode, rest in instrs:
             m = re.match(r"dot\(([^)]*)\)", rest) if opcode == "dot" else None
-            if m is None:
+            op_name = _OP_NAME_RE.search(rest) if m and marker else None
+            if m is None or (marker and not (op_name and re.search(marker, op_name.group(1)))):
                 continue
             names = [x.strip().lstrip("%") for x in m.group(1).split(",")]
             key = " x ".join(shapes.get(x, "?").split("[")[0] for x in names)

@@ -178,25 +178,33 @@ def hardware_flops_per_device(cfg: Config, layout: Layout, moe_gemm: str = "as_c
     return hw - pmoe.expert_flops_per_device(cfg, layout, "grouped") + expert_flops
 
 
-def fp8_flops_per_device(cfg: Config, layout: Layout) -> float:
+def fp8_flops_per_device(cfg: Config, layout: Layout, moe_gemm: str = "as_compiled",
+                         expert_flops: Optional[float] = None) -> float:
     """Training FLOPs per device per step that ``model.fp8`` runs as FP8 GEMMs: the forward, dgrad and wgrad
     (and recomputation) of every attention projection, the dense layers' SwiGLU and the MoE layers' shared
-    experts (jaxtron/model/fp8.py; the routed experts, the LM head and attention stay in bf16)."""
+    experts, and the routed experts where they run through ragged_dot (``as_compiled`` with
+    ``gmm_impl=ragged_dot``: their executed FLOPs, ``expert_flops`` or the closed form); the grouped-GEMM
+    kernel, the LM head and attention stay in bf16 (jaxtron/model/fp8.py)."""
     m = cfg.model
     if m.fp8 == "none":
         return 0.0
+    routed = 0.0
+    if moe_layer_count(m) and moe_gemm == "as_compiled" and m.moe.gmm_impl == "ragged_dot" \
+            and m.moe.dispatch == "dropless":
+        routed = expert_flops if expert_flops is not None else pmoe.expert_flops_per_device(cfg, layout, moe_gemm)
     d, h, kv, hd = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m)
     n_moe = moe_layer_count(m)
     shared = pmoe.shared_width(m) if n_moe else 0
     params = m.num_layers * (2 * h + 2 * kv) * hd * d + 3 * d * ((m.num_layers - n_moe) * m.intermediate_size
                                                                  + n_moe * shared)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    return 6.0 * tokens * params * pmoe.remat_factor(cfg) / layout.num_devices
+    return 6.0 * tokens * params * pmoe.remat_factor(cfg) / layout.num_devices + routed
 
 
-def compute_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, hw_flops: float) -> float:
+def compute_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, hw_flops: float, moe_gemm: str = "as_compiled",
+                    expert_flops: Optional[float] = None) -> float:
     """``hw_flops`` at ``compute_efficiency`` of the bf16 peak, the FP8 GEMMs' share at the FP8 peak."""
-    fp8 = fp8_flops_per_device(cfg, layout) if gpu.fp8_peak_tflops else 0.0
+    fp8 = fp8_flops_per_device(cfg, layout, moe_gemm, expert_flops) if gpu.fp8_peak_tflops else 0.0
     eff = gpu.compute_efficiency * 1e12
     return (hw_flops - fp8) / (gpu.peak_tflops * eff) + (fp8 / (gpu.fp8_peak_tflops * eff) if fp8 else 0.0)
 
@@ -236,7 +244,7 @@ def roofline(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, num_gpus: int
     mf_full, mf_causal = model_flops(cfg, "full"), model_flops(cfg, "causal")
     hw_flops = hardware_flops_per_device(cfg, layout, moe_gemm, expert_flops)
     peak = gpu.peak_tflops * 1e12
-    compute_s = compute_seconds(cfg, layout, gpu, hw_flops)
+    compute_s = compute_seconds(cfg, layout, gpu, hw_flops, moe_gemm, expert_flops)
     memory_s = hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
     kernel_s = compute_s + memory_s
     c = _comm(cfg, layout, gpu, ops, node_of, moe_gemm)
@@ -248,7 +256,8 @@ def roofline(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, num_gpus: int
         "wire_bytes_by_link": c["by_link"],
         "mfu": mf_full / (num_gpus * peak * step), "mfu_causal": mf_causal / (num_gpus * peak * step),
         "model_flops_per_step": mf_full, "model_flops_per_step_causal": mf_causal,
-        "hardware_flops_per_device": hw_flops, "fp8_flops_per_device": fp8_flops_per_device(cfg, layout),
+        "hardware_flops_per_device": hw_flops,
+        "fp8_flops_per_device": fp8_flops_per_device(cfg, layout, moe_gemm, expert_flops),
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_gpu": tokens / step / num_gpus,
         "moe_gemm": moe_gemm if moe_layer_count(cfg.model) else None,
@@ -284,7 +293,7 @@ def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
 
 def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
                        moe_gemm: str = "as_compiled") -> float:
-    compute = compute_seconds(cfg, layout, gpu, hardware_flops_per_device(cfg, layout, moe_gemm))
+    compute = compute_seconds(cfg, layout, gpu, hardware_flops_per_device(cfg, layout, moe_gemm), moe_gemm)
     return (compute + hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
             + closed_form_comm_s(cfg, layout, gpu, num_gpus, moe_gemm))
 
