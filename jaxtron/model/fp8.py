@@ -1,4 +1,4 @@
-"""FP8 matmuls for the decoder's dense projections (``model.fp8``), tensorwise current scaling.
+"""FP8 matmuls (``model.fp8``) for the decoder's dense projections and the routed MoE experts, tensorwise scaling.
 
 ``fp8_project(spec, x, w)`` is ``project``'s contraction with both operands quantized to float8_e4m3fn and the
 incoming gradient to float8_e5m2 (Hopper's FP8 GEMMs take e4m3 x e4m3 and e5m2 x e4m3), each tensor with one
@@ -17,8 +17,9 @@ train step rolls it in (:func:`roll_histories`) instead of handing it to the opt
 (a sharded tensor's max is reduced over its shards), and over gradient-accumulation micro batches the max is
 kept (:func:`accumulate`).
 
-The embedding, LM head, norms, attention's score/value products, the router and the routed MoE experts stay in
-the compute dtype (what Megatron and NeMo's FP8 recipes keep out of FP8 too, experts aside).
+The routed MoE experts (:func:`grouped`, under ``gmm_impl=ragged_dot``) take current scaling under either
+recipe. The embedding, LM head, norms, attention's score/value products and the router stay in the compute
+dtype (what Megatron and NeMo's FP8 recipes keep out of FP8 too).
 """
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ def fp8_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
+def _amax(x):
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
 def scale_of(x, dtype) -> jax.Array:
     """Current scaling: amax(|x|) / fp8 max, fp32 scalar (1 for an all-zero tensor)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = _amax(x)
     return jnp.where(amax > 0, amax / fp8_max(dtype), 1.0)
 
 
@@ -141,10 +146,6 @@ def _history_scales(hist, margin):
     amax = jnp.max(hist, axis=0)
     limits = jnp.array([fp8_max(E4M3), fp8_max(E4M3), fp8_max(E5M2)], jnp.float32)
     return jnp.where(amax > 0, amax * (2.0 ** margin) / limits, 1.0)
-
-
-def _amax(x):
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
 def _delayed_fwd(spec, x, w, hist, margin):

@@ -9,7 +9,7 @@ GEMMs: the LM head's backward, twice its forward's FLOPs, at the fp32/TF32 rate.
 
 - Every matmul accumulates in fp32 and rounds its result afterwards. JAX 0.10's XLA:CPU runs a bf16 x bf16
   matmul on its native kernel (AVX512-BF16) only when the result is fp32; asked for a bf16 result it converts
-  both operands to fp32 first and takes the fp32 kernel, about twice as slow (``scripts/bench_rounding_matmul.py``;
+  both operands to fp32 first and takes the fp32 kernel, about twice as slow (``scripts/bench_cpu_matmul.py``;
   JAX 0.12 runs both natively, at the same speed).
 - In the backward of bf16 inputs, an fp32 cotangent (the LM head's, whose logits are fp32 for the loss, and
   attention's, whose softmax is fp32) is rounded to bf16 before its two matmuls, as Megatron and MaxText do
@@ -88,14 +88,10 @@ def _contract_grads(spec, a, b, dy):
     return _einsum_f32(f"{ys},{bs}->{as_}", dy, b, a.dtype), _einsum_f32(f"{as_},{ys}->{bs}", a, dy, b.dtype)
 
 
-def _plain_project_grads(spec, x, w, dy):
-    xs, ws, ys = _parse(spec)
-    return _einsum_f32(f"{ys},{ws}->{xs}", dy, w, x.dtype), _einsum_f32(f"{xs},{ys}->{ws}", x, dy, w.dtype)
-
-
 _cpu_project = _rounding_matmul(_project_grads)
 _cpu_contract = _rounding_matmul(_contract_grads)
-_rounded_project = _rounding_matmul(_plain_project_grads)  # fp32 accumulation everywhere; nothing CPU-specific
+# the GPU's LM head: the plain backward of _contract_grads (nothing CPU-specific), cotangent rounded first
+_rounded_project = _cpu_contract
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
