@@ -210,12 +210,17 @@ def fp8_cases(tokens: int, iters: int, shapes=FP8_SHAPES) -> list[dict]:
 
     rows = []
     for name, k, n in shapes:
+        # blockwise: the Pallas block-scaled GEMM on a GPU, its jnp reference elsewhere; 128 x 128 tiles (16 for
+        # shapes too small for them)
+        block = 128 if k % 128 == n % 128 == tokens % 128 == 0 else 16
+        blockwise = fp8.Blockwise(block, "xla" if jax.default_backend() == "cpu" else "pallas")
         keys = jax.random.split(jax.random.key(k + n), 3)
         x = jax.random.normal(keys[0], (1, tokens, k), jnp.bfloat16)
         w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
         hist = jnp.ones((16, 3), jnp.float32)
-        for recipe in ("none", "current", "delayed"):
-            f = lambda a, b, r=recipe: fp8.dense("bsd,df->bsf", a, b, r, hist if r == "delayed" else None)
+        for recipe in ("none", "current", "delayed", "blockwise"):
+            f = lambda a, b, r=recipe: fp8.dense("bsd,df->bsf", a, b, r, hist if r == "delayed" else None, 0,
+                                                 blockwise)
             for mode, fn, flops in (("fwd", jax.jit(f), 2 * tokens * k * n),
                                     ("fwd+bwd", _fwd_bwd(f, (0, 1)), 6 * tokens * k * n)):
                 row = {"kernel": f"gemm {name}", "impl": "bf16" if recipe == "none" else f"fp8 {recipe}",
@@ -299,7 +304,25 @@ def check_cases(seq: int, batch: int) -> list[dict]:
         xk, wk = jax.random.split(ks[5])
         compare("gmm", "8 experts", lambda x, w: gmm(x, w, sizes), lambda x, w: gmm_reference(x, w, sizes),
                 [jax.random.normal(xk, (seq * 2, 4096)), jax.random.normal(wk, (8, 4096, 1024)) / 64], dtype)
+    rows.append(_blockwise_check(seq))
     return rows
+
+
+def _blockwise_check(seq: int) -> dict:
+    """The block-scaled FP8 GEMM (no backward of its own) against its jnp reference, at an 8B projection."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.fp8_blockwise import blockwise_matmul, blockwise_matmul_reference
+
+    ks = jax.random.split(jax.random.key(7), 4)
+    a = jax.random.normal(ks[0], (seq, 4096)).astype(jnp.float8_e4m3fn)
+    b = jax.random.normal(ks[1], (4096, 4096)).astype(jnp.float8_e4m3fn)
+    sa, sb = jax.random.uniform(ks[2], (32, seq)), jax.random.uniform(ks[3], (32, 4096))
+    row = {"kernel": "fp8 blockwise gemm", "case": "128 x 128 tiles", "dtype": "float8_e4m3fn", "seq": seq}
+    try:
+        return {**row, "out": _rel(blockwise_matmul(a, sa, b, sb), blockwise_matmul_reference(a, sa, b, sb))}
+    except Exception as err:  # a kernel that fails is a row of the report, not the end of it
+        return {**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
 
 
 SWEEP_FWD = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (64, 128), (128, 128))

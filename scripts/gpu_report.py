@@ -35,7 +35,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRECISIONS = ("none", "current", "delayed")
+PRECISIONS = ("none", "current", "delayed", "blockwise")
 # one GPU: no parallelism, bf16, the attention kernel the trainer would pick on Hopper
 MODELS = {
     "llama3.2-1b": ["model.vocab_size=128256", "model.hidden_size=2048", "model.num_layers=16",

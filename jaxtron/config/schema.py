@@ -133,11 +133,21 @@ class ModelConfig:
                                    "and stop with an error naming the field if it disagrees "
                                    "(jaxtron/train/kernel_check.py).")
     fp8: str = _f("none", "FP8 matmuls for the decoder's dense projections (QKV, attention output, gate/up, "
-                          "down, shared experts; jaxtron/model/fp8.py), e4m3 operands and e5m2 gradients: 'none', "
-                          "'current' (each tensor scaled by its own amax in this step) or 'delayed' (scaled by the "
-                          "max amax of the last fp8_amax_history steps, kept as checkpointed model state). Routed "
-                          "MoE experts under gmm_impl=ragged_dot run in FP8 with current scaling under either "
-                          "recipe. Embedding, LM head, norms, attention and router stay in model.dtype.")
+                          "down, shared experts; jaxtron/model/fp8.py): 'none', 'current' (each tensor scaled by "
+                          "its own amax in this step), 'delayed' (scaled by the max amax of the last "
+                          "fp8_amax_history steps, kept as checkpointed model state), both with e4m3 operands and "
+                          "e5m2 gradients, or 'blockwise' (DeepSeek-V3's fine-grained scaling, all e4m3: a scale "
+                          "per 1 x fp8_block tile of activations and gradients and per fp8_block^2 tile of weights; "
+                          "jaxtron/model/fp8_blockwise.py). Routed MoE experts under gmm_impl=ragged_dot run in FP8 "
+                          "with current scaling under any recipe. Embedding, LM head, norms, attention and router "
+                          "stay in model.dtype.")
+    fp8_block: int = _f(128, "model.fp8=blockwise: the tile size B (a power of two >= 16); hidden size, the "
+                             "per-device widths of heads x head_dim and the MLP, and data.seq_len / "
+                             "parallel.context must be multiples of it.")
+    fp8_blockwise_impl: str = _f("auto", "model.fp8=blockwise: the block-scaled GEMMs: 'pallas' (the Triton "
+                                         "kernel, per device; interpret mode on CPU), 'xla' (its jnp reference: "
+                                         "the same sums in XLA ops, no FP8 speed-up on GPUs) or 'auto' (pallas "
+                                         "on GPUs, xla elsewhere).")
     fp8_amax_history: int = _f(16, "model.fp8=delayed: steps of amax history per tensor (Transformer Engine's "
                                    "amax_history_len).")
     fp8_margin: int = _f(0, "model.fp8=delayed: scales are amax * 2^margin / format max (headroom for growth).")

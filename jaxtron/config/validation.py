@@ -13,7 +13,8 @@ from functools import reduce
 from jaxtron.config.schema import Config, ConfigError, head_dim
 
 ATTENTION_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
-FP8_RECIPES = ("none", "current", "delayed")
+FP8_RECIPES = ("none", "current", "delayed", "blockwise")
+FP8_BLOCKWISE_IMPLS = ("auto", "xla", "pallas")
 KERNEL_IMPLS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -71,9 +72,11 @@ def _validate_model(cfg: Config) -> None:
     _one_of(cfg, "model.fp8", FP8_RECIPES)
     check(m.fp8_amax_history >= 1, "model.fp8_amax_history", f"must be >= 1, got {m.fp8_amax_history}")
     check(m.fp8_margin >= 0, "model.fp8_margin", f"must be >= 0, got {m.fp8_margin}")
-    check(not (m.fp8 == "delayed" and cfg.parallel.stage > 1), "model.fp8",
-          "delayed scaling under parallel.stage > 1 is not built (the pipeline's backward would sum the micro "
-          "batches' amaxes instead of taking their max); use model.fp8=current")
+    check(not (m.fp8 == "delayed" and cfg.parallel.stage > 1 and cfg.parallel.pipeline_schedule != "1f1b"),
+          "model.fp8", f"delayed scaling under parallel.pipeline_schedule={cfg.parallel.pipeline_schedule!r} is "
+          "not built (differentiating its loop sums the micro batches' amaxes instead of taking their max); use "
+          "parallel.pipeline_schedule=1f1b or model.fp8=current")
+    _check_blockwise(cfg)
     _one_of(cfg, "model.rope_impl", KERNEL_IMPLS)
     _one_of(cfg, "model.mlp_impl", KERNEL_IMPLS)
     _one_of(cfg, "model.remat", REMAT_POLICIES)
@@ -87,6 +90,27 @@ def _validate_model(cfg: Config) -> None:
                                                              "original_max_position_embeddings")))
         check(rs.high_freq_factor > rs.low_freq_factor, "model.rope_scaling.high_freq_factor",
               f"must be > low_freq_factor ({rs.low_freq_factor}), got {rs.high_freq_factor}")
+
+
+def _check_blockwise(cfg: Config) -> None:
+    """model.fp8=blockwise: every tile lies inside one device's shard (the tiles, and so the numbers, are those
+    of one device), which needs the split widths to be multiples of the block."""
+    m, p = cfg.model, cfg.parallel
+    _one_of(cfg, "model.fp8_blockwise_impl", FP8_BLOCKWISE_IMPLS)
+    b = m.fp8_block
+    check(b >= 16 and b & (b - 1) == 0, "model.fp8_block", f"must be a power of two >= 16, got {b}")
+    if m.fp8 != "blockwise":
+        return
+    moe = m.moe
+    shared = (moe.shared_expert_intermediate_size or moe.expert_intermediate_size) * moe.num_shared_experts
+    widths = {"model.hidden_size": (m.hidden_size, 1), "model.num_heads": (m.num_heads * head_dim(m), p.tensor),
+              "model.num_kv_heads": (m.num_kv_heads * head_dim(m), p.tensor),
+              "model.intermediate_size": (m.intermediate_size, p.tensor),
+              "model.moe.num_shared_experts": (shared, p.tensor), "data.seq_len": (cfg.data.seq_len, p.context)}
+    for field, (width, split) in widths.items():
+        local = width // split if width % split == 0 else width / split
+        check(local % b == 0, field, f"model.fp8=blockwise needs {width} / {split} (split over the mesh) to be a "
+                                     f"multiple of model.fp8_block={b}")
 
 
 def _validate_moe(cfg: Config) -> None:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtron.model.fp8_blockwise import LETTER_NAMES, Blockwise, blockwise_project
 from jaxtron.model.projection import project
 
 E4M3 = jnp.float8_e4m3fn
@@ -55,19 +56,36 @@ def add_histories(module, names, recipe: str, length: int) -> None:
         setattr(module, name + HISTORY_SUFFIX, history(length))
 
 
-def project_weight(module, name: str, spec: str, x: jax.Array, recipe: str, margin: int = 0) -> jax.Array:
+def blockwise_options(cfg, **names) -> Blockwise:
+    """``model.fp8=blockwise``'s options from the model config: the block, the GEMM ('auto': the Pallas kernel
+    on GPUs, XLA's ops elsewhere) and the logical names of the einsum letters (``names`` overrides, e.g.
+    ``h="act_kv_heads"``)."""
+    impl = cfg.fp8_blockwise_impl
+    if impl == "auto":
+        from jaxtron.parallel.sharding import devices_are_cpu
+
+        impl = "xla" if devices_are_cpu() else "pallas"
+    return Blockwise(cfg.fp8_block, impl, tuple({**LETTER_NAMES, **names}.items()))
+
+
+def project_weight(module, name: str, spec: str, x: jax.Array, recipe: str, margin: int = 0,
+                   blockwise: Blockwise | None = None) -> jax.Array:
     """``einsum(spec, x, module.<name>)`` (the weight cast to x's dtype) under ``recipe``."""
     w = getattr(module, name)[...].astype(x.dtype)
-    return dense(spec, x, w, recipe, getattr(module, name + HISTORY_SUFFIX, None), margin)
+    return dense(spec, x, w, recipe, getattr(module, name + HISTORY_SUFFIX, None), margin, blockwise)
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array, recipe: str = "none", hist=None, margin: int = 0) -> jax.Array:
-    """A dense projection: ``project`` (model.fp8=none), :func:`fp8_project` (current) or
-    :func:`delayed_project` (delayed, with the projection's ``hist``)."""
+def dense(spec: str, x: jax.Array, w: jax.Array, recipe: str = "none", hist=None, margin: int = 0,
+          blockwise: Blockwise | None = None) -> jax.Array:
+    """A dense projection: ``project`` (model.fp8=none), :func:`fp8_project` (current),
+    :func:`delayed_project` (delayed, with the projection's ``hist``) or ``blockwise_project`` (blockwise,
+    with its options; jaxtron/model/fp8_blockwise.py)."""
     if recipe == "none":
         return project(spec, x, w)
     if recipe == "delayed":
         return delayed_project(spec, x, w, hist[...], margin)
+    if recipe == "blockwise":
+        return blockwise_project(spec, x, w, blockwise or Blockwise())
     return fp8_project(spec, x, w)
 
 

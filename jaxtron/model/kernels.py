@@ -88,6 +88,21 @@ def gmm(lhs, rhs, group_sizes):
     return grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, interpret=kernel_interpret())
 
 
+def blockwise_gemm(impl: str, block: int):
+    """``gemm(a, a_scale, b, b_scale, out_dtype)``: the block-scaled FP8 matmul of ``model.fp8=blockwise``
+    (``pallas_kernels.fp8_blockwise``; scales per ``block`` of the contraction). ``impl`` 'pallas': the Triton
+    kernel (interpret mode on CPU), run on each device's blocks by the caller; 'xla': its jnp reference, the
+    same sums in XLA's ops."""
+    from pallas_kernels.fp8_blockwise import blockwise_matmul, blockwise_matmul_reference
+
+    from jaxtron.parallel.sharding import kernel_interpret
+
+    if impl == "pallas":
+        return lambda a, sa, b, sb, out_dtype: blockwise_matmul(a, sa, b, sb, block=block, out_dtype=out_dtype,
+                                                                interpret=kernel_interpret())
+    return lambda a, sa, b, sb, out_dtype: blockwise_matmul_reference(a, sa, b, sb, block=block, out_dtype=out_dtype)
+
+
 def _check(cond, field, msg):
     if not cond:
         raise ConfigError(field, msg)

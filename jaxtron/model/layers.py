@@ -140,7 +140,10 @@ class Attention(nnx.Module):
         return self._dense("wo", "bshk,hkd->bsd", out)
 
     def _dense(self, name, spec, x):
-        return fp8.project_weight(self, name, spec, x, self.cfg.fp8, self.cfg.fp8_margin)
+        blockwise = None
+        if self.cfg.fp8 == "blockwise":
+            blockwise = fp8.blockwise_options(self.cfg, **({"h": "act_kv_heads"} if name in ("wk", "wv") else {}))
+        return fp8.project_weight(self, name, spec, x, self.cfg.fp8, self.cfg.fp8_margin, blockwise)
 
     def _attend_cache(self, q, k, v, cache: LayerCache):
         dt = q.dtype
@@ -161,11 +164,13 @@ class SwiGLU(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
         self.mlp_impl = cfg.mlp_impl
-        self.fp8, self.fp8_margin = cfg.fp8, cfg.fp8_margin
+        self.fp8_cfg = cfg
         fp8.add_histories(self, ("w_gate", "w_up", "w_down"), cfg.fp8, cfg.fp8_amax_history)
 
     def _dense(self, name, spec, x):
-        return fp8.project_weight(self, name, spec, x, self.fp8, self.fp8_margin)
+        c = self.fp8_cfg
+        blockwise = fp8.blockwise_options(c) if c.fp8 == "blockwise" else None
+        return fp8.project_weight(self, name, spec, x, c.fp8, c.fp8_margin, blockwise)
 
     def __call__(self, x):
         gate = self._dense("w_gate", "bsd,df->bsf", x)

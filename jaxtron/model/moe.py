@@ -51,7 +51,7 @@ def _swiglu_experts(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
 
 def _grouped_matmul(gmm_impl: str, fp8_recipe: str = "none"):
     """(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> fp32 [M, N], by ``model.moe.gmm_impl``; with
-    ``model.fp8`` and ragged_dot, in FP8 (current scaling under either recipe: jaxtron.model.fp8.grouped)."""
+    ``model.fp8`` and ragged_dot, in FP8 (current scaling under any recipe: jaxtron.model.fp8.grouped)."""
     if gmm_impl == "ragged_dot" and fp8_recipe != "none":
         return fp8.grouped
     if gmm_impl == "pallas":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Iterator, Optional, Sequence
 
@@ -129,3 +130,28 @@ def per_shard(fn, in_names: Sequence, out_names):
         return mapped(*(args[i] for i in keep))
 
     return call
+
+
+def per_shard_2d(fn, dims: dict, in_dims: Sequence[str], out_dims: Sequence[str]):
+    """``fn(sum_over, *args)`` run on each device's blocks of 2-D operands whose axes are letters: ``dims`` maps
+    a letter to the logical names of the array axes merged into it (``{"m": ("act_batch", "act_seq")}``), and
+    the letter is split over their mesh axes in order; ``in_dims``/``out_dims`` give each operand's and result's
+    two letters (``"mk"``). ``sum_over(x, letter)`` inside ``fn`` sums a partial result over the mesh axes of a
+    contracted letter (a matmul contracting a split axis). Outside a mesh + rules context ``fn`` runs on the
+    whole arrays with ``sum_over`` the identity."""
+    ctx = current_context()
+    if ctx is None or ctx[1] is None:
+        return functools.partial(fn, lambda x, letter: x)
+    rules, mesh = ctx
+    axes = {}
+    for letter, names in dims.items():
+        spec = logical_to_spec(tuple(names), rules)
+        axes[letter] = tuple(a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)
+                             if mesh.shape.get(a, 1) > 1)
+    spec = lambda d: PartitionSpec(*(axes[c] or None for c in d))  # noqa: E731
+
+    def sum_over(x, letter):
+        return jax.lax.psum(x, axes[letter]) if axes[letter] else x
+
+    return jax.shard_map(functools.partial(fn, sum_over), mesh=mesh, in_specs=tuple(spec(d) for d in in_dims),
+                         out_specs=tuple(spec(d) for d in out_dims), check_vma=False)

@@ -282,6 +282,7 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         "collectives": hlo.summarize(ops),
         "dots": hlo.dot_operand_types(text),
         "dots_moe_experts": hlo.dot_operand_types(text, pmoe.EXPERT_MATMULS) if moe else None,
+        "kernels": hlo.kernel_calls(text),
         "async_overlap": {kind: {"pairs": len(ps), "exposed": sum(not p["compute_between"] for p in ps)}
                           for kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
                           for ps in [hlo.async_overlap(text, kind)] if ps},

@@ -380,3 +380,11 @@ def dot_operand_types(text: str, marker: str = "") -> dict[str, dict]:
             entry["dots"] += 1
             entry["flops"] += 2.0 * float(np.prod(_dims(shape))) * float(k)
     return out
+
+
+def kernel_calls(text: str) -> dict[str, int]:
+    """Pallas kernels in an optimized module (loop bodies counted once): ``triton_calls`` (Pallas Triton custom
+    calls: their FLOPs are not among the HLO dots) and ``mosaic_calls`` (Mosaic GPU)."""
+    calls = [line for line in text.splitlines() if " custom-call(" in line]
+    return {"triton_calls": sum('custom_call_target="__gpu$xla.gpu.triton"' in line for line in calls),
+            "mosaic_calls": sum('custom_call_target="mosaic_gpu' in line for line in calls)}
