@@ -213,8 +213,9 @@ def _delayed(*overrides):
 
 
 def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
-    """Per step each history shifts by one with the new amaxes in front; data 2 x fsdp 2 x tensor 2 and two
-    accumulation micro batches record the same global amaxes (a max, not a sum) and train the same."""
+    """Per step each history shifts by one with the new amaxes in front; data 2 x fsdp 2 x tensor 2, two
+    accumulation micro batches, and 2 pipeline stages x fsdp 2 under 1f1b (4 micro batches, whose loop keeps
+    the max of their amaxes) record the same global amaxes (a max, not a sum) and train the same."""
     from helpers import synthetic_batch
     from jaxtron.train.loop import Trainer, put_batch
 
@@ -231,7 +232,9 @@ def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
         np.testing.assert_array_equal(h[:, 1:], hists[-2][name][:, :-1])  # rolled by one step
         np.testing.assert_array_equal(hists[0][name][:, 1:], 0)
     for overrides, devices in ((("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), jax.devices()),
-                               (("parallel.data=1", "train.micro_batch_size=4"), jax.devices()[:1])):
+                               (("parallel.data=1", "train.micro_batch_size=4"), jax.devices()[:1]),
+                               (("parallel.data=1", "parallel.stage=2", "parallel.fsdp=2", "train.micro_batch_size=2"),
+                                jax.devices()[:4])):
         other_losses, other = run(_delayed(*overrides), devices)
         np.testing.assert_allclose(other_losses, losses, rtol=1e-5)
         # after two steps (later, fp32 differences of 1e-7 in a scale start moving e4m3 roundings by 2^-4)
@@ -276,7 +279,7 @@ def test_delayed_scaling_resumes_exactly_and_on_another_mesh(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,field", [
-    (("model.fp8=delayed", "parallel.stage=2", "model.num_layers=2"), "model.fp8"),
+    (("model.fp8=delayed", "parallel.stage=2", "parallel.pipeline_schedule=gpipe"), "model.fp8"),
     (("model.fp8=delayed", "model.fp8_amax_history=0"), "model.fp8_amax_history"),
     (("model.fp8=delayed", "model.fp8_margin=-1"), "model.fp8_margin"),
 ])
@@ -315,8 +318,8 @@ def test_bench_kernels_times_the_fp8_gemms():
     from bench_kernels import fp8_cases
 
     rows = fp8_cases(16, 1, shapes=(("small", 32, 16),))
-    assert [(r["impl"], r["mode"]) for r in rows] == [(i, m) for i in ("bf16", "fp8 current", "fp8 delayed")
-                                                      for m in ("fwd", "fwd+bwd")]
+    impls = ("bf16", "fp8 current", "fp8 delayed", "fp8 blockwise")
+    assert [(r["impl"], r["mode"]) for r in rows] == [(i, m) for i in impls for m in ("fwd", "fwd+bwd")]
     assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)
 
 

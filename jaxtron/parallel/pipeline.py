@@ -297,7 +297,7 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
 
 
 def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
-                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
+                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable):
     S, M = spec.stages, spec.micro_batches
     R = 2 * S  # ring slots: a stage holds at most 2(S-1-s)+1 inputs between their forward and backward
     chunks = _chunked(stacked, stacked_specs, spec, mesh)
@@ -342,7 +342,7 @@ def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
                                                      ring[mb_i % R], has_aux=True)
                 dy = jnp.where(is_last, jnp.zeros_like(bwd_in), bwd_in)
                 dparams, dx = vjp((dy, jnp.ones((), loss.dtype)))
-                grads = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, dparams)
+                grads = accumulate(grads, jax.tree.map(lambda g, d: d.astype(g.dtype), grads, dparams))
                 report = jax.tree.map(lambda r, a: r.at[s].add(a), sums[1], rep)
                 return grads, (jax.tree.map(jnp.add, sums[0], aux), report), dx
 
@@ -368,17 +368,24 @@ def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
 # ----------------------------------------------------------------------------------------------- public
 
 
+def _add(acc: Any, grads: Any) -> Any:
+    return jax.tree.map(jnp.add, acc, grads)
+
+
 def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
-                   stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
+                   stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable = _add):
     """``((aux_sums, report), (grads_stacked, grads_shared))`` of the summed loss over ``micro`` ([M, mb, seq]
     arrays).
 
     ``post`` returns ``(loss, aux)`` and ``stage`` ``(x, (objective term, per-layer report))``; the gradient is
     that of the sum over micro batches of ``loss`` and the stages' terms, in fp32; ``report`` is the stages'
     reports summed over micro batches, in layer order.
-    ``stacked_specs`` are the PartitionSpecs of the stacked leaves (leading axis over 'stage')."""
+    ``stacked_specs`` are the PartitionSpecs of the stacked leaves (leading axis over 'stage').
+    ``accumulate(acc, grads)`` adds a micro batch's gradients under 1f1b, whose loop accumulates them itself
+    (FP8 delayed scaling keeps the max of its amax rows instead of the sum); the other schedules differentiate
+    their loop, which sums."""
     if spec.schedule == "1f1b":
-        return _one_f_one_b(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro)
+        return _one_f_one_b(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro, accumulate)
 
     def total(stacked, shared):
         loss, aux = forward_loss(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro)

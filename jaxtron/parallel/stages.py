@@ -73,15 +73,16 @@ def _stacked_specs(param_shardings: dict):
 
 
 def pipelined_value_and_grad(layout, graphdef, param_shardings: dict, loss_sums: Callable, segments: Callable,
-                             params: dict, batch: dict):
+                             params: dict, batch: dict, accumulate: Callable = pipeline._add):
     """((loss sum, tokens, aux), fp32 grads) of the whole batch through the pipeline schedule, its micro batches
-    as in gradient accumulation."""
+    as in gradient accumulation (``accumulate``: see ``pipeline.value_and_grad``)."""
     pre, stage, post = _parts(graphdef, params, loss_sums, segments)
     stacked, shared = _split_stacked(params)
     spec = layout.pipeline()
     micro = split_micro(batch, spec.micro_batches)
     (sums, report), (g_stacked, g_shared) = pipeline.value_and_grad(
-        spec, layout.mesh, layout.rules, pre, stage, post, stacked, _stacked_specs(param_shardings), shared, micro)
+        spec, layout.mesh, layout.rules, pre, stage, post, stacked, _stacked_specs(param_shardings), shared, micro,
+        accumulate)
     return _with_report(sums, report), {**g_shared, STACKED: g_stacked}
 
 

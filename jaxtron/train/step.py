@@ -109,7 +109,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
         if layout.stages > 1:
             return pipelined_value_and_grad(layout, spec.graphdef, spec.param_shardings,
                                             lambda logits, mb: _logits_sums(logits, mb, z_loss),
-                                            lambda mb: _segments(mb, packed), params, batch)
+                                            lambda mb: _segments(mb, packed), params, batch, fp8.accumulate)
         if accum == 1:
             (_, out), grads = grad_fn(params, batch)
             return out, grads
