@@ -31,6 +31,7 @@ from jaxtron.parallel.layout import Layout
 from jaxtron.plan import hlo
 from jaxtron.plan import model as pm
 from jaxtron.plan import moe as pmoe
+from jaxtron.plan import steptime
 from jaxtron.plan.gpus import GPUS, GpuSpec, get_gpu
 
 __all__ = ["plan", "search", "target_devices", "CompilerUnavailable", "prepare_config", "GpuSpec", "GPUS", "get_gpu"]
@@ -287,6 +288,9 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
                           for kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
                           for ps in [hlo.async_overlap(text, kind)] if ps},
         "roofline": roof,
+        "step_model": steptime.predict(ccfg, text, gpu, {"exposed": roof["exposed_comm_s"],
+                                                         "overlappable": roof["overlappable_comm_s"]},
+                                       len(devices), roof["model_flops_per_step"]),
         "hardware": {"peak_tflops": gpu.peak_tflops, "fp8_peak_tflops": gpu.fp8_peak_tflops, "hbm_gbps": gpu.hbm_gbps,
                      "nvlink_gbps": gpu.nvlink_gbps,
                      "net_gbps": gpu.net_gbps, "gpus_per_node": gpu.gpus_per_node,

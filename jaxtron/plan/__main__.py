@@ -98,6 +98,14 @@ def _print_plan(r: dict) -> None:
     print(f"  assumed: {h['peak_tflops']:.0f}{fp8} TFLOP/s x {h['compute_efficiency']}, HBM {h['hbm_gbps']:.0f} GB/s, "
           f"NVLink {h['nvlink_gbps']:.0f} GB/s, network {h['net_gbps']:.0f} GB/s per GPU x "
           f"{h['comm_efficiency']}, {h['collective_latency_us']:.0f} us per collective")
+    sm = r.get("step_model")
+    if sm:
+        print("\nstep model (op by op from the optimized HLO; jaxtron/plan/steptime.py)")
+        print(f"  GEMMs {sm['gemm_s']:.3f} s ({sm['gemm']['count']:.0f} runs at {sm['gemm_efficiency']:.1%} of the bf16 "
+              f"peak), attention kernels {sm['attention_s']:.3f} s, memory-bound ops {sm['memory_bound_s']:.3f} s "
+              f"({sm['memory_bound']['ops']:.0f} runs)")
+        print(f"  step time {sm['step_time_s']:.3f} s, {sm['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {sm['mfu']:.1%} "
+              "(full attention FLOPs): a prediction")
     for n in r["notes"]:
         print(f"note: {n}")
 

@@ -1,0 +1,185 @@
+"""A step-time prediction from the optimized HLO, op by op (``python -m jaxtron.plan``'s ``step_model``).
+
+Unlike the roofline (:mod:`jaxtron.plan.model`, all FLOPs at one ``compute_efficiency`` of the peak), every
+executed instruction of the compiled step is timed on its own, times how often it runs (loop trip counts):
+
+* GEMMs (every ``dot``, inside XLA's GEMM fusions or not): :func:`jaxtron.plan.gemm.gemm_time` from its M, N,
+  K, batch and operand types (FP8 operands at the FP8 peak): tile, wave and depth efficiency, or its bytes over
+  HBM when that is longer;
+* attention kernels (``model.attention_impl`` cudnn, pallas, mosaic: custom calls whose FLOPs the HLO does not
+  carry): the closed-form causal attention FLOPs (forward 2 matmuls over the causal half, the backward 2.5
+  times that, the forward again under ``remat=full``) at the kernel's rate measured on an H100
+  (``ATTENTION_TFLOPS``, docs/performance.md);
+* everything else that runs (fusions without a dot, copies, transposes, reductions, the other custom calls):
+  its operands' and result's bytes over HBM bandwidth (``hbm_fraction`` of it);
+* collectives: as the roofline times them (link bandwidth, ring algorithms), exposed when on the critical path.
+
+step = GEMMs + attention + memory-bound ops + exposed collectives + max(0, overlappable collectives - compute).
+The instructions run one after the other on one stream (XLA:GPU's default), so their times add.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import numpy as np
+
+from jaxtron.config import Config, head_dim
+from jaxtron.plan import hlo
+from jaxtron.plan.gemm import DEFAULTS, GemmModel, gemm_time
+
+# Flash attention forward+backward TFLOP/s (causal half counted, forward + backward = 3.5 x the forward), one
+# H100, heads 32 / kv 8 / head_dim 128, batch 2, seq 8192 (docs/performance.md, "Attention kernels"). Mosaic
+# has not been timed: it takes the Triton kernel's rate.
+ATTENTION_TFLOPS = {"cudnn": 503.5, "pallas": 343.2, "mosaic": 343.2}
+
+_SKIP = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"}
+_COLLECTIVE = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute|send|recv|"
+                         r"async-start|async-update|async-done|copy-start|copy-done")
+_DIMS = {key: re.compile(key + r"=\{([\d,]*)\}") for key in ("lhs_batch_dims", "lhs_contracting_dims",
+                                                             "rhs_batch_dims", "rhs_contracting_dims")}
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction's text after its opcode: ``op(a, b, ...)``."""
+    m = re.match(r"[\w\-$.]+\((.*?)\)(,|$)", rest)
+    if not m:
+        return []
+    return [a.split()[-1].lstrip("%") for a in m.group(1).split(",") if a.strip()]
+
+
+def _dot_dims(rest: str, lhs: list[int], rhs: list[int]) -> tuple[int, int, int, int]:
+    get = {k: [int(i) for i in r.search(rest).group(1).split(",") if i] if r.search(rest) else []
+           for k, r in _DIMS.items()}
+    batch = int(np.prod([lhs[i] for i in get["lhs_batch_dims"]])) if lhs else 1
+    k = int(np.prod([lhs[i] for i in get["lhs_contracting_dims"]])) if lhs else 1
+    m = int(np.prod([d for i, d in enumerate(lhs) if i not in get["lhs_batch_dims"] + get["lhs_contracting_dims"]]))
+    n = int(np.prod([d for i, d in enumerate(rhs) if i not in get["rhs_batch_dims"] + get["rhs_contracting_dims"]]))
+    return m, n, k, batch
+
+
+def _callee(mod, rest: str) -> list:
+    callee = hlo._CALLEE_RE.search(rest)
+    return mod.computations.get(callee.group(2), []) if callee else []
+
+
+_SLICES = ("dynamic-slice", "slice", "gather")
+
+
+def _fusion_reads(body: list, sizes: list[float]) -> list[float]:
+    """Bytes a fusion reads of each operand: a parameter that the fused computation only slices (a layer's
+    weights out of the scan's stacked ones) is read for the slices alone, not whole."""
+    params = {}
+    for name, _shape, opcode, rest in body:
+        m = re.match(r"parameter\((\d+)\)", rest) if opcode == "parameter" else None
+        if m:
+            params[name] = int(m.group(1))
+    users: dict = defaultdict(list)
+    for name, shape, opcode, rest in body:
+        for o in _operands(rest):
+            if o in params:
+                users[o].append((opcode, shape))
+    reads = list(sizes)
+    for name, i in params.items():
+        if i < len(reads) and users[name] and all(op in _SLICES for op, _s in users[name]):
+            reads[i] = sum(hlo.shape_bytes(s) for _op, s in users[name])
+    return reads
+
+
+def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float:
+    """HBM bytes an instruction reads and writes. A dynamic-update-slice writes its update into the buffer in
+    place (the layer scan's stacked residuals): the update's bytes, read and written, not the buffer's; a
+    (dynamic-)slice reads only the slice it returns, inside a fusion too."""
+    body = _callee(mod, rest) if opcode == "fusion" else []
+    root = body[-1][2] if body else opcode
+    sizes = [hlo.shape_bytes(shapes.get(o, "")) for o in _operands(rest)]
+    if root == "dynamic-update-slice" and sizes:
+        return 2.0 * (sum(sizes) - max(sizes))
+    if root in _SLICES:
+        return 2.0 * hlo.shape_bytes(shape)
+    return sum(_fusion_reads(body, sizes) if body else sizes) + hlo.shape_bytes(shape)
+
+
+def attention_seconds(cfg: Config, num_devices: int) -> float:
+    """The attention kernels' time per device per step, when they are custom calls (module doc)."""
+    m, impl = cfg.model, cfg.model.attention_impl
+    if impl not in ATTENTION_TFLOPS:
+        return 0.0
+    s = cfg.data.seq_len
+    forward = 2 * 2 * s * m.num_heads * head_dim(m) * 0.5 * cfg.train.global_batch_size * s * m.num_layers
+    factor = 3.5 + (1.0 if m.remat == "full" else 0.0)
+    return forward * factor / num_devices / (ATTENTION_TFLOPS[impl] * 1e12)
+
+
+def ops_time(text: str, gpu, model: GemmModel) -> dict:
+    """GEMM and memory-bound seconds of every executed instruction of an optimized module (module doc)."""
+    mod = hlo.parse_module(text)
+    mult = mod.multipliers()
+    fused, reducers = set(), set()
+    for instrs in mod.computations.values():
+        for _name, _shape, opcode, rest in instrs:
+            for key, callee in hlo._CALLEE_RE.findall(rest):
+                (fused if opcode == "fusion" else reducers if key == "to_apply" else set()).add(callee)
+    has_dot = {c for c, instrs in mod.computations.items() if any(op == "dot" for _n, _s, op, _r in instrs)}
+    gemms = {"count": 0.0, "seconds": 0.0, "flops": 0.0, "memory_bound": 0.0, "fp8_seconds": 0.0}
+    by_shape: dict = defaultdict(lambda: {"count": 0.0, "seconds": 0.0})
+    memory = {"ops": 0.0, "bytes": 0.0, "seconds": 0.0}
+    custom = defaultdict(float)
+    for comp, instrs in mod.computations.items():
+        count = mult.get(comp, 0.0)
+        if not count or comp in reducers:
+            continue
+        shapes = {name: shape for name, shape, _op, _rest in instrs}
+        for _name, shape, opcode, rest in instrs:
+            if opcode == "dot":
+                ops = _operands(rest)
+                lhs, rhs = (hlo._dims(shapes.get(o, "")) for o in ops[:2])
+                m, n, k, batch = _dot_dims(rest, lhs, rhs)
+                fp8 = any(shapes.get(o, "").startswith("f8") for o in ops[:2])
+                moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in ops[:2]) + hlo.shape_bytes(shape)
+                t = gemm_time(m, n, k, batch, gpu.fp8_peak_tflops if fp8 and gpu.fp8_peak_tflops else
+                              gpu.peak_tflops, gpu.hbm_gbps, moved, model, fp8=fp8 and bool(gpu.fp8_peak_tflops))
+                gemms["count"] += count
+                gemms["seconds"] += count * t["seconds"]
+                gemms["fp8_seconds"] += count * t["seconds"] if fp8 else 0.0
+                gemms["flops"] += count * 2.0 * batch * m * n * k
+                gemms["memory_bound"] += count if t["bound"] == "memory" else 0.0
+                key = f"{batch}x{m}x{n}x{k}" + (" fp8" if fp8 else "")
+                by_shape[key]["count"] += count
+                by_shape[key]["seconds"] += count * t["seconds"]
+                by_shape[key]["efficiency"] = t["efficiency"]
+                continue
+            if comp in fused or opcode in _SKIP or _COLLECTIVE.search(opcode):
+                continue
+            if opcode == "fusion" and any(c in has_dot for _k, c in hlo._CALLEE_RE.findall(rest)):
+                continue  # a GEMM fusion: timed by its dot
+            if opcode == "custom-call":
+                target = re.search(r'custom_call_target="([^"]*)"', rest)
+                custom[target.group(1) if target else "?"] += count
+            moved = _moved_bytes(mod, opcode, rest, shape, shapes)
+            memory["ops"] += count
+            memory["bytes"] += count * moved
+    memory["seconds"] = memory["bytes"] / (gpu.hbm_gbps * 1e9 * model.hbm_fraction)
+    gemms["efficiency"] = gemms["flops"] / max(gemms["seconds"], 1e-30) / (gpu.peak_tflops * 1e12)
+    top = sorted(by_shape.items(), key=lambda kv: -kv[1]["seconds"])[:8]
+    return {"gemm": gemms, "gemm_top_shapes": dict(top), "memory_bound": memory, "custom_calls": dict(custom)}
+
+
+def predict(cfg: Config, text: str, gpu, comm: dict, num_devices: int, model_flops_full: float) -> dict:
+    """The step-time prediction (module doc); ``comm`` is the roofline's collective timing."""
+    model = DEFAULTS.get(gpu.name, GemmModel())
+    ops = ops_time(text, gpu, model)
+    attention_s = attention_seconds(cfg, num_devices)
+    compute = ops["gemm"]["seconds"] + attention_s + ops["memory_bound"]["seconds"]
+    step = compute + comm["exposed"] + max(0.0, comm["overlappable"] - compute)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    return {
+        "step_time_s": step, "tokens_per_s_per_gpu": tokens / step / num_devices,
+        "mfu": model_flops_full / (num_devices * gpu.peak_tflops * 1e12 * step),
+        "gemm_s": ops["gemm"]["seconds"], "attention_s": attention_s, "memory_bound_s": ops["memory_bound"]["seconds"],
+        "exposed_comm_s": comm["exposed"], "overlappable_comm_s": comm["overlappable"],
+        "gemm_efficiency": ops["gemm"]["efficiency"], **ops,
+        "constants": {**model.__dict__, "attention_tflops": ATTENTION_TFLOPS.get(cfg.model.attention_impl)},
+    }

@@ -1,0 +1,89 @@
+"""The planner's op-by-op step model (jaxtron/plan/steptime.py, gemm.py): its prediction changes with the model
+and the layout for reasons it names (GEMM tile, wave and depth efficiency; collectives on the critical path),
+and no single efficiency constant sets it."""
+
+import dataclasses
+
+import pytest
+
+from jaxtron.plan import get_gpu, steptime
+from jaxtron.plan.gemm import GemmModel, gemm_time
+from test_plan import SMALL, _cli, needs_xla_gpu
+
+H100 = get_gpu("h100")
+
+
+def _gemm(m, n, k, batch=1, model=GemmModel(), fp8=False):
+    return gemm_time(m, n, k, batch, H100.fp8_peak_tflops if fp8 else H100.peak_tflops, H100.hbm_gbps,
+                     2.0 * (m * k + k * n + m * n), model, fp8=fp8)
+
+
+def test_gemm_efficiency_by_shape_and_its_reasons():
+    big = _gemm(8192, 14336, 4096)                 # Llama-3-8B's gate/up projection, one micro batch
+    assert big["bound"] == "compute" and big["efficiency"] > 0.7
+    # a hidden size of 256: a short contraction pays the tiles' fill and epilogue on little work
+    small = _gemm(8192, 256, 256)
+    assert small["depth"] == pytest.approx(0.5) and small["efficiency"] < 0.5 * big["efficiency"]
+    # 133 tiles of 128 x 256 on 132 SMs: a second wave for one tile
+    waves = _gemm(133 * 128, 256, 4096)
+    assert waves["wave"] == pytest.approx(133 / 264) and waves["efficiency"] < 0.55 * big["efficiency"]
+    # 200 rows fill two 128-row tiles to 78%
+    assert _gemm(200, 256 * 132, 4096)["tile"] == pytest.approx(200 / 256)
+    # FP8 runs at the FP8 peak: faster, at its own fraction of it
+    fp8 = _gemm(8192, 14336, 4096, fp8=True)
+    assert fp8["seconds"] < 0.6 * big["seconds"] and fp8["efficiency"] < big["efficiency"]
+
+
+def test_one_constant_does_not_set_the_ratio_between_shapes():
+    """Scaling the peak fraction moves every GEMM alike, but the shapes' factors differ: the 8B GEMM's lead
+    over the small one comes from tile, wave and depth efficiency, which no constant sets."""
+    for fraction in (0.6, 0.8):
+        model = GemmModel(peak_fraction=fraction)
+        ratio = _gemm(8192, 14336, 4096, model=model)["efficiency"] / _gemm(8192, 256, 256, model=model)["efficiency"]
+        assert ratio == pytest.approx(_gemm(8192, 14336, 4096)["efficiency"] / _gemm(8192, 256, 256)["efficiency"])
+        assert ratio > 2.0
+
+
+@needs_xla_gpu
+def test_step_model_of_a_small_and_a_wider_model_and_its_independence_from_compute_efficiency():
+    """XLA:GPU compiles for 1 H100: a hidden-256 model's GEMMs predict lower efficiency than a hidden-2048 one's
+    (depth and tiles), so its predicted MFU is lower; the roofline's compute_efficiency does not enter it."""
+    small = _cli("--gpu", "h100", "--num-gpus", "1", *SMALL, "parallel.fsdp=1", "parallel.data=1")
+    wide = _cli("--gpu", "h100", "--num-gpus", "1", *SMALL, "parallel.fsdp=1", "parallel.data=1",
+                "model.hidden_size=2048", "model.intermediate_size=8192", "model.num_heads=16",
+                "model.num_kv_heads=8")
+    s, w = small["step_model"], wide["step_model"]
+    assert s["gemm"]["count"] > 0 and w["gemm"]["count"] > 0
+    assert s["gemm_efficiency"] < 0.5 * w["gemm_efficiency"] and s["mfu"] < w["mfu"]
+    assert s["exposed_comm_s"] == 0 and s["attention_s"] == 0  # one GPU; xla attention is GEMMs in the HLO
+    # the same prediction with another compute_efficiency; the roofline's moves
+    other = _cli("--gpu", "h100", "--num-gpus", "1", "--compute-efficiency", "0.3", *SMALL, "parallel.fsdp=1",
+                 "parallel.data=1")
+    assert other["step_model"]["step_time_s"] == pytest.approx(s["step_time_s"])
+    assert other["roofline"]["step_time_s"] > 1.3 * small["roofline"]["step_time_s"]
+
+
+@needs_xla_gpu
+def test_tensor_parallel_collectives_are_exposed_and_data_parallel_ones_overlap():
+    tp = _cli("--gpu", "h100", "--num-gpus", "2", *SMALL, "parallel.fsdp=1", "parallel.data=1", "parallel.tensor=2")
+    dp = _cli("--gpu", "h100", "--num-gpus", "2", *SMALL, "parallel.fsdp=1", "parallel.data=2")
+    assert tp["step_model"]["exposed_comm_s"] > 0
+    assert dp["step_model"]["exposed_comm_s"] == 0 and dp["step_model"]["overlappable_comm_s"] > 0
+    sm = dp["step_model"]
+    compute = sm["gemm_s"] + sm["attention_s"] + sm["memory_bound_s"]
+    assert sm["step_time_s"] == pytest.approx(compute + max(0.0, sm["overlappable_comm_s"] - compute))
+
+
+def test_attention_kernels_are_timed_at_their_measured_rate():
+    from helpers import tiny_config
+
+    cfg = tiny_config("model.attention_impl=cudnn", "model.dtype=bfloat16")
+    s = cfg.data.seq_len
+    m = cfg.model
+    forward = 2 * 2 * s * m.num_heads * (m.hidden_size // m.num_heads) * 0.5 * cfg.train.global_batch_size * s
+    expected = forward * m.num_layers * 3.5 / 2 / (steptime.ATTENTION_TFLOPS["cudnn"] * 1e12)
+    assert steptime.attention_seconds(cfg, 2) == pytest.approx(expected)
+    full = dataclasses.replace(cfg, model=dataclasses.replace(m, remat="full"))
+    assert steptime.attention_seconds(full, 2) == pytest.approx(expected * 4.5 / 3.5)
+    xla = dataclasses.replace(cfg, model=dataclasses.replace(m, attention_impl="xla"))
+    assert steptime.attention_seconds(xla, 2) == 0.0
