@@ -14,9 +14,10 @@ The inner sums are FP8 x FP8 dots with fp32 accumulation; the scales multiply ea
 fp32 before it joins the accumulator (DeepSeek-V3's "promotion" every 128 K). That covers all three GEMMs of a
 block-scaled linear layer: the forward (1 x B activation tiles, a B x B weight tile's scale repeated over its B
 columns), dgrad (the gradient's 1 x B tiles, the weight transposed) and wgrad (activations and gradient both
-in B x 1 tiles along the tokens, the contraction). XLA:GPU has no Hopper GEMM with per-block scales inside the
-contraction (cuBLASLt's FP8 GEMMs take one scale per operand; block-scaled dots go to cuDNN on Blackwell only),
-hence this kernel.
+in B x 1 tiles along the tokens, the contraction). XLA:GPU (in the jax versions jaxtron supports) does not lower
+this to a Hopper GEMM with per-block scales inside the contraction: its FP8 GEMMs take one scale per operand,
+and its block-scaled dots go to cuDNN on Blackwell; cuBLASLt 12.9 added 1 x 128 / 128 x 128 block scaling on
+Hopper, which XLA does not emit. Hence this kernel.
 
 Design: a grid of (M / tm, N / tn) output tiles; each program loops over the K / B blocks, loading a (tm, B)
 and a (B, tn) FP8 tile and the block's tm + tn scales. Scales are laid out [K/B, M] and [K/B, N] so that one

@@ -19,6 +19,9 @@ import os
 import subprocess
 import sys
 
+PP4 = ["parallel.tensor=4", "parallel.stage=4", "parallel.fsdp=4", "parallel.data=1", "parallel.pipeline_fsdp_gather_once=true", "model.remat=none"]
+PP8V5 = ["parallel.tensor=4", "parallel.stage=8", "parallel.fsdp=2", "parallel.data=1", "parallel.pipeline_fsdp_gather_once=true",
+         "parallel.pipeline_schedule=circular", "parallel.virtual_stages=5", "model.remat=none"]
 SAVE_DOTS = ["model.remat=save_dots", "train.micro_batch_size=1"]
 LLAMA2_70B = ["model.vocab_size=32000", "model.rope_theta=10000.0", "data.seq_len=4096"]
 ONE_H100_8L = ["model.num_layers=8", "parallel.fsdp=1", "parallel.data=1", "train.global_batch_size=2",
@@ -37,10 +40,11 @@ ROWS = [
     ("maxtext-llama2-70b", 1170, "MaxText, 64 H100, bf16, FSDP 64", "Llama-2-70B shape, fsdp 64, remat full, mbs 1",
      ["--config", "llama3_70b", "--num-gpus", "64", *LLAMA2_70B, "parallel.fsdp=64", "parallel.tensor=1",
       "parallel.sequence_parallel=false"]),
-    ("nemo-llama3-70b-bf16", 1121, "NeMo, 64 H100, bf16 (with pipeline stages)", "Llama-3-70B, fsdp 8 x tensor 8 "
-     "(SP): the planner has no pipeline stages", ["--config", "llama3_70b", "--num-gpus", "64"]),
-    ("bridge-llama3-70b-fp8", 1664, "Megatron-Bridge, 64 H100, FP8, TP4 PP8 VP5", "Llama-3-70B, fsdp 8 x tensor 8 "
-     "(SP), model.fp8=current: no pipeline stages", ["--config", "llama3_70b", "--num-gpus", "64", "model.fp8=current"]),
+    ("nemo-llama3-70b-bf16", 1121, "NeMo, 64 H100, bf16 (pipeline stages)", "Llama-3-70B, tensor 4 x stage 4 (1f1b) x "
+     "fsdp 4 (SP), stage weights gathered once, remat none", ["--config", "llama3_70b", "--num-gpus", "64", *PP4]),
+    ("bridge-llama3-70b-fp8", 1664, "Megatron-Bridge, 64 H100, FP8, TP4 PP8 VP5", "Llama-3-70B, tensor 4 x stage 8 x "
+     "virtual 5 (circular) x fsdp 2 (SP), model.fp8=current, stage weights gathered once, remat none",
+     ["--config", "llama3_70b", "--num-gpus", "64", *PP8V5, "model.fp8=current"]),
 ]
 
 

@@ -219,3 +219,20 @@ def test_xla_gpu_compile_runs_every_projection_gemm_in_the_kernel_and_gathers_fp
     assert blk["dots"] == {k: v for k, v in cur["dots"].items() if "f8" not in k}
     gathered = lambda r: r["collectives"]["all-gather"]["result_bytes"]  # noqa: E731
     assert gathered(blk) == pytest.approx(gathered(cur), rel=0.02), (gathered(blk), gathered(cur))
+
+
+def test_fp8_loss_table_script_runs_the_recipes_and_writes_the_table(tmp_path):
+    """scripts/fp8_loss_table.py (docs/performance.md's FP8 table) end to end, 2 steps per recipe."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "fp8_loss_table.py"), "--out",
+                           str(tmp_path), "--steps", "2", "--eval-batches", "1", "--recipes", "none", "blockwise"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| bfloat16")]
+    assert [r.split("|")[2].strip() for r in rows] == ["none", "blockwise"]
+    assert rows[0].rstrip().endswith("|  |") and "%" in rows[1]  # the baseline row, then the difference from it

@@ -21,12 +21,18 @@ def use_rules(rules: Sequence[tuple[str, Any]], mesh: Optional[Mesh] = None) -> 
 
     Without ``mesh``, the mesh set by ``jax.set_mesh`` is used."""
     prev = getattr(_STATE, "ctx", None)
+    prev_platform = getattr(_STATE, "platform", None)
     _STATE.ctx = (tuple(rules), mesh)
+    if mesh is not None and hasattr(mesh, "devices"):
+        # kept for nested contexts without a concrete mesh (inside a pipeline's shard_map), so that a step
+        # compiled ahead of time for GPUs from a CPU host runs its kernels, not their interpreters, in stages too
+        _STATE.platform = mesh.devices.flat[0].platform
     try:
         with nnx.logical_axis_rules(tuple(rules)):
             yield
     finally:
         _STATE.ctx = prev
+        _STATE.platform = prev_platform
 
 
 def current_context() -> Optional[tuple[tuple, Optional[Mesh]]]:
@@ -93,7 +99,8 @@ def devices_are_cpu() -> bool:
     mesh = ctx[1] if ctx else None
     if mesh is not None and hasattr(mesh, "devices"):
         return mesh.devices.flat[0].platform == "cpu"
-    return jax.default_backend() == "cpu"
+    platform = getattr(_STATE, "platform", None)
+    return platform == "cpu" if platform else jax.default_backend() == "cpu"
 
 
 def kernel_interpret() -> bool:

@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from jaxtron import config as config_lib
 from jaxtron.config import Config
 from jaxtron.parallel.layout import Layout
 from jaxtron.plan import hlo
@@ -36,7 +35,9 @@ from jaxtron.plan.gpus import GPUS, GpuSpec, get_gpu
 
 __all__ = ["plan", "search", "target_devices", "CompilerUnavailable", "prepare_config", "GpuSpec", "GPUS", "get_gpu"]
 
-PIPELINE_NOTE = "parallel.stage stays 1: the planner does not model pipeline stages yet"
+PIPELINE_NOTE = ("pipeline stages: the step model counts the executed schedule (its idle ticks run the slowest "
+                 "stage's work, the stages' forward recomputed in the backward); the roofline's closed form "
+                 "has neither")
 
 
 INSTALL = 'pip install -e ".[plan]"'
@@ -194,8 +195,9 @@ def layout_overrides(cfg: Config) -> str:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     mbs = t.micro_batch_size if t.micro_batch_size is not None else "null"
     ep = f"parallel.expert={p.expert} " if cfg.model.moe.num_experts else ""
+    pp = f"parallel.pipeline_schedule={p.pipeline_schedule} " if p.stage > 1 else ""
     return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} {ep}parallel.context={p.context} "
-            f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage=1 "
+            f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage={p.stage} {pp}"
             f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
             f"model.remat={m.remat}")
 
@@ -248,8 +250,6 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         notes += dev_notes
     else:
         backend = "gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"
-    if cfg.parallel.stage != 1:
-        raise config_lib.ConfigError("parallel.stage", PIPELINE_NOTE)
     ccfg, cfg_notes = prepare_config(cfg, backend)
     notes += cfg_notes
     t0 = time.perf_counter()
@@ -318,6 +318,14 @@ def contexts(cfg: Config, devices: int) -> list[int]:
     return [c for c in pm.divisors(devices) if cfg.data.seq_len % (2 * c) == 0 or c == 1]
 
 
+def _stages(cfg: Config, devices: int, context: int) -> list[int]:
+    """Pipeline sizes --search tries: 1, and (1f1b, context 1) every divisor of the devices that splits the
+    layers evenly, up to 16."""
+    if context > 1:  # ring attention does not run under stages
+        return [1]
+    return [s for s in pm.divisors(devices) if s <= 16 and cfg.model.num_layers % s == 0]
+
+
 def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
                       remats: Sequence[str] = ("none", "save_dots", "full")) -> list[Config]:
     m, gbs = cfg.model, cfg.train.global_batch_size
@@ -325,22 +333,24 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
     widths = [m.num_heads, m.num_kv_heads, m.intermediate_size]  # what tensor parallelism splits
     if m.moe.num_experts:
         widths += [m.moe.expert_intermediate_size, pmoe.shared_width(m) or m.moe.expert_intermediate_size]
-    splits = [(t, c) for t in pm.divisors(num_gpus)
+    splits = [(t, c, st) for t in pm.divisors(num_gpus)
               if t <= gpus_per_node and not any(w % t for w in widths)
-              for c in contexts(cfg, num_gpus // t)]
+              for c in contexts(cfg, num_gpus // t) for st in _stages(cfg, num_gpus // (t * c), c)]
     num_experts = m.moe.num_experts if m.moe.dispatch == "dropless" else 0  # EP runs the dropless dispatch
-    for tensor, context in splits:
-        rest = num_gpus // (tensor * context)
+    for tensor, context, stage in splits:
+        rest = num_gpus // (tensor * context * stage)
         for expert, fsdp in [(e, f) for e in pm.divisors(rest) if e == 1 or (num_experts and num_experts % e == 0)
                              for f in pm.divisors(rest // e)]:
             data = rest // (expert * fsdp)
             dp = data * fsdp * expert
             if gbs % dp:
                 continue
-            mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16]
+            # a pipeline needs at least as many micro batches as stages
+            mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16 and gbs // (dp * b) >= stage]
             for mbs, remat in itertools.product(mbs_opts, remats):
                 c = copy.deepcopy(cfg)
-                c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, 1
+                c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, stage
+                c.parallel.pipeline_schedule, c.parallel.virtual_stages = "1f1b", 1
                 c.parallel.expert = expert
                 c.parallel.context = context
                 if context > 1:  # the flash kernels do not take context > 1: the ring attends in query tiles
@@ -356,7 +366,7 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
            top: int = 5, margin: float = 1.15, log=None, moe_gemm: str = "as_compiled") -> dict:
     """Try layouts: closed-form memory prunes (estimate > ``margin`` x usable memory), a closed-form step time
     orders the rest, the first ``max_compiles`` are compiled; those whose compiled peak does not fit are
-    dropped, the others ranked by the roofline step time (MoE: under ``moe_gemm``)."""
+    dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`)."""
     check_moe_gemm(moe_gemm)
     t0 = time.perf_counter()
     if devices is None:
@@ -383,9 +393,9 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
             continue
         if log:
             log(f"  {r['overrides']}: peak {r['memory']['peak'] / 2**30:.1f} GiB, "
-                f"step {r['roofline']['step_time_s']:.3f} s, compile {r['compile_s']:.1f} s")
+                f"step {r['step_model']['step_time_s']:.3f} s (step model), compile {r['compile_s']:.1f} s")
         (results if r["memory"]["fits"] else rejected).append(r)
-    results.sort(key=lambda r: r["roofline"]["step_time_s"])
+    results.sort(key=lambda r: r["step_model"]["step_time_s"])
     return {"candidates": len(cands), "pruned_by_estimate": pruned, "compiled": min(len(scored), max_compiles),
             "not_fitting_or_failed": [x if "error" in x else {"overrides": x["overrides"],
                                                               "peak": x["memory"]["peak"]} for x in rejected],

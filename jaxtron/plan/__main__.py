@@ -140,10 +140,10 @@ def _print_search(s: dict) -> None:
     for x in s["not_fitting_or_failed"]:
         why = x.get("error") or f"peak {x['peak'] / 2**30:.1f} GiB"
         print(f"  dropped: {x['overrides']}  ({why})")
-    print(f"\ntop {len(s['top'])} by predicted step time (all fit):")
+    print(f"\ntop {len(s['top'])} by the step model's predicted step time (all fit):")
     for i, r in enumerate(s["top"], 1):
-        roof, mem = r["roofline"], r["memory"]
-        print(f"{i}. step {roof['step_time_s']:.3f} s  MFU {roof['mfu']:.1%}  peak "
+        sm, roof, mem = r["step_model"], r["roofline"], r["memory"]
+        print(f"{i}. step {sm['step_time_s']:.3f} s  MFU {sm['mfu']:.1%}  (roofline {roof['step_time_s']:.3f} s)  peak "
               f"{mem['peak'] / 2**30:.1f} GiB / {mem['usable'] / 2**30:.1f} GiB  ({r['compiler']})")
         print(f"   {r['overrides']}")
     for n in s["notes"]:

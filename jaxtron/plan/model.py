@@ -80,7 +80,7 @@ def closed_form_state_bytes(cfg: Config, layout: Layout) -> dict:
     pbytes = 2 if m.param_dtype in ("bfloat16", "float16") else (8 if m.param_dtype == "float64" else 4)
     n = param_count(m)
     local = n - routed_expert_params(m) * (layout.expert - 1) / layout.expert
-    shard = layout.zero_shards * layout.tp
+    shard = layout.zero_shards * layout.tp * layout.stages  # pipeline stages hold 1/S of the layers each
     return {"params": local * pbytes / shard, "optimizer": 2 * local * pbytes / shard,
             "grads": local * pbytes / shard, "param_count": n}
 
@@ -124,7 +124,11 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     sp = cfg.parallel.sequence_parallel and t > 1
     st = closed_form_state_bytes(cfg, layout)
     tokens = b * s // layout.context  # each context rank holds 1/context of the sequence
-    saved = tokens * _act_bytes_per_token(m, t, sp, m.remat)
+    # Under pipeline stages a stage keeps its micro batches' inputs (2S slots) and runs one micro batch's
+    # forward and backward of its own layers at a time (1f1b recomputes the forward in the backward).
+    saved = tokens * _act_bytes_per_token(m, t, sp, m.remat) / layout.stages
+    if layout.stages > 1:
+        saved += 2 * layout.stages * tokens * m.hidden_size * 2
     working = _working_bytes(cfg, layout, tokens, sp)
     logits = tokens * m.vocab_size / t * (2 + 4 + 4)
     gathered = 2 * 2 * largest_layer_params(m, layout.expert) / t if layout.zero_shards > 1 else 0
@@ -293,7 +297,12 @@ def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
 
 def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
                        moe_gemm: str = "as_compiled") -> float:
+    """Rough step time for ranking search candidates before compiling. Pipeline stages: the bubble's idle
+    ticks, and the stages' forward recomputed in the backward (jaxtron's schedules differentiate each stage
+    call, unless remat=full already recomputes it)."""
     compute = compute_seconds(cfg, layout, gpu, hardware_flops_per_device(cfg, layout, moe_gemm), moe_gemm)
+    if layout.stages > 1:
+        compute *= (1.0 if cfg.model.remat == "full" else 4.0 / 3.0) / (1.0 - layout.bubble)
     return (compute + hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
             + closed_form_comm_s(cfg, layout, gpu, num_gpus, moe_gemm))
 

@@ -90,16 +90,26 @@ def _fusion_reads(body: list, sizes: list[float]) -> list[float]:
 
 def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float:
     """HBM bytes an instruction reads and writes. A dynamic-update-slice writes its update into the buffer in
-    place (the layer scan's stacked residuals): the update's bytes, read and written, not the buffer's; a
-    (dynamic-)slice reads only the slice it returns, inside a fusion too."""
+    place (the layer scan's stacked residuals): the update's bytes, not the buffer's; a (dynamic-)slice reads
+    only the slice it returns, inside a fusion too."""
     body = _callee(mod, rest) if opcode == "fusion" else []
-    root = body[-1][2] if body else opcode
     sizes = [hlo.shape_bytes(shapes.get(o, "")) for o in _operands(rest)]
-    if root == "dynamic-update-slice" and sizes:
-        return 2.0 * (sum(sizes) - max(sizes))
+    if not body:
+        if opcode == "dynamic-update-slice" and len(sizes) > 1:
+            return 2.0 * sizes[1]
+        return 2.0 * hlo.shape_bytes(shape) if opcode in _SLICES else sum(sizes) + hlo.shape_bytes(shape)
+    reads = _fusion_reads(body, sizes)
+    _n, _s, root, root_rest = body[-1]
     if root in _SLICES:
         return 2.0 * hlo.shape_bytes(shape)
-    return sum(_fusion_reads(body, sizes) if body else sizes) + hlo.shape_bytes(shape)
+    if root != "dynamic-update-slice":
+        return sum(reads) + hlo.shape_bytes(shape)
+    body_shapes = {n: sh for n, sh, _op, _r in body}
+    buffer, update = (_operands(root_rest) + ["", ""])[:2]
+    param = re.match(r"parameter\((\d+)\)", next((r for n, _sh, op, r in body if n == buffer and op == "parameter"), ""))
+    if param and int(param.group(1)) < len(reads):
+        reads[int(param.group(1))] = 0.0  # the buffer is written in place, not read
+    return sum(reads) + hlo.shape_bytes(body_shapes.get(update, ""))
 
 
 def attention_seconds(cfg: Config, num_devices: int) -> float:
@@ -113,58 +123,97 @@ def attention_seconds(cfg: Config, num_devices: int) -> float:
     return forward * factor / num_devices / (ATTENTION_TFLOPS[impl] * 1e12)
 
 
-def ops_time(text: str, gpu, model: GemmModel) -> dict:
-    """GEMM and memory-bound seconds of every executed instruction of an optimized module (module doc)."""
-    mod = hlo.parse_module(text)
-    mult = mod.multipliers()
-    fused, reducers = set(), set()
-    for instrs in mod.computations.values():
-        for _name, _shape, opcode, rest in instrs:
-            for key, callee in hlo._CALLEE_RE.findall(rest):
-                (fused if opcode == "fusion" else reducers if key == "to_apply" else set()).add(callee)
-    has_dot = {c for c, instrs in mod.computations.items() if any(op == "dot" for _n, _s, op, _r in instrs)}
-    gemms = {"count": 0.0, "seconds": 0.0, "flops": 0.0, "memory_bound": 0.0, "fp8_seconds": 0.0}
-    by_shape: dict = defaultdict(lambda: {"count": 0.0, "seconds": 0.0})
-    memory = {"ops": 0.0, "bytes": 0.0, "seconds": 0.0}
-    custom = defaultdict(float)
-    for comp, instrs in mod.computations.items():
-        count = mult.get(comp, 0.0)
-        if not count or comp in reducers:
-            continue
-        shapes = {name: shape for name, shape, _op, _rest in instrs}
-        for _name, shape, opcode, rest in instrs:
+def _add(acc: dict, other: dict, factor: float = 1.0) -> None:
+    for k, v in other.items():
+        if isinstance(v, dict):
+            _add(acc.setdefault(k, {}), v, factor)
+        elif k == "efficiency":
+            acc[k] = v
+        else:
+            acc[k] = acc.get(k, 0.0) + factor * v
+
+
+class _Walk:
+    """Sums the executed instructions of a module from its entry: a ``while`` body times its trip count, the
+    slowest branch of a ``conditional`` (an SPMD program's branches are what different devices run: the
+    pipeline's stages, its bubble ticks), a fusion as one memory-bound op or, if it holds a ``dot``, as its
+    GEMMs."""
+
+    def __init__(self, mod, gpu, model: GemmModel):
+        self.mod, self.gpu, self.model, self.memo = mod, gpu, model, {}
+        self.bw = gpu.hbm_gbps * 1e9 * model.hbm_fraction
+
+    def seconds(self, st: dict) -> float:
+        return st.get("gemm_s", 0.0) + st.get("mem_bytes", 0.0) / self.bw
+
+    def dot(self, shape: str, rest: str, shapes: dict) -> dict:
+        gpu, ops = self.gpu, _operands(rest)
+        m, n, k, batch = _dot_dims(rest, *(hlo._dims(shapes.get(o, "")) for o in ops[:2]))
+        fp8 = any(shapes.get(o, "").startswith("f8") for o in ops[:2]) and bool(gpu.fp8_peak_tflops)
+        moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in ops[:2]) + hlo.shape_bytes(shape)
+        t = gemm_time(m, n, k, batch, gpu.fp8_peak_tflops if fp8 else gpu.peak_tflops, gpu.hbm_gbps, moved,
+                      self.model, fp8=fp8)
+        key = f"{batch}x{m}x{n}x{k}" + (" fp8" if fp8 else "")
+        return {"gemm_count": 1.0, "gemm_s": t["seconds"], "gemm_flops": 2.0 * batch * m * n * k,
+                "fp8_gemm_s": t["seconds"] if fp8 else 0.0, "gemm_memory_bound": float(t["bound"] == "memory"),
+                "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"]}}}
+
+    def comp(self, name: str, fused: bool = False) -> dict:
+        if (name, fused) in self.memo:
+            return self.memo[(name, fused)]
+        st: dict = {}
+        instrs = self.mod.computations.get(name, [])
+        shapes = {n: sh for n, sh, _op, _r in instrs}
+        for _n, shape, opcode, rest in instrs:
+            callees = dict(hlo._CALLEE_RE.findall(rest))
             if opcode == "dot":
-                ops = _operands(rest)
-                lhs, rhs = (hlo._dims(shapes.get(o, "")) for o in ops[:2])
-                m, n, k, batch = _dot_dims(rest, lhs, rhs)
-                fp8 = any(shapes.get(o, "").startswith("f8") for o in ops[:2])
-                moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in ops[:2]) + hlo.shape_bytes(shape)
-                t = gemm_time(m, n, k, batch, gpu.fp8_peak_tflops if fp8 and gpu.fp8_peak_tflops else
-                              gpu.peak_tflops, gpu.hbm_gbps, moved, model, fp8=fp8 and bool(gpu.fp8_peak_tflops))
-                gemms["count"] += count
-                gemms["seconds"] += count * t["seconds"]
-                gemms["fp8_seconds"] += count * t["seconds"] if fp8 else 0.0
-                gemms["flops"] += count * 2.0 * batch * m * n * k
-                gemms["memory_bound"] += count if t["bound"] == "memory" else 0.0
-                key = f"{batch}x{m}x{n}x{k}" + (" fp8" if fp8 else "")
-                by_shape[key]["count"] += count
-                by_shape[key]["seconds"] += count * t["seconds"]
-                by_shape[key]["efficiency"] = t["efficiency"]
+                _add(st, self.dot(shape, rest, shapes))
+            elif opcode == "fusion":
+                inner = self.comp(callees.get("calls", ""), fused=True)
+                if inner.get("gemm_count") or fused:
+                    _add(st, inner)
+                else:
+                    _add(st, {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)})
+            elif fused:
                 continue
-            if comp in fused or opcode in _SKIP or _COLLECTIVE.search(opcode):
+            elif opcode == "while":
+                trip = hlo._TRIP_RE.search(rest)
+                trip = float(trip.group(1)) if trip else 1.0
+                _add(st, self.comp(callees.get("body", "")), trip)
+                _add(st, self.comp(callees.get("condition", "")), trip + 1)
+            elif opcode == "conditional":
+                branches = [c for lst in hlo._LIST_CALLEE_RE.findall(rest) for c in re.findall(r"%?([\w.\-]+)", lst)]
+                branches += [c for k, c in callees.items() if k in ("true_computation", "false_computation")]
+                runs = [self.comp(b) for b in branches]
+                if runs:
+                    _add(st, max(runs, key=self.seconds))
+            elif opcode == "call":
+                _add(st, self.comp(callees.get("to_apply", callees.get("calls", ""))))
+            elif opcode in _SKIP or _COLLECTIVE.search(opcode):
                 continue
-            if opcode == "fusion" and any(c in has_dot for _k, c in hlo._CALLEE_RE.findall(rest)):
-                continue  # a GEMM fusion: timed by its dot
-            if opcode == "custom-call":
-                target = re.search(r'custom_call_target="([^"]*)"', rest)
-                custom[target.group(1) if target else "?"] += count
-            moved = _moved_bytes(mod, opcode, rest, shape, shapes)
-            memory["ops"] += count
-            memory["bytes"] += count * moved
-    memory["seconds"] = memory["bytes"] / (gpu.hbm_gbps * 1e9 * model.hbm_fraction)
-    gemms["efficiency"] = gemms["flops"] / max(gemms["seconds"], 1e-30) / (gpu.peak_tflops * 1e12)
-    top = sorted(by_shape.items(), key=lambda kv: -kv[1]["seconds"])[:8]
-    return {"gemm": gemms, "gemm_top_shapes": dict(top), "memory_bound": memory, "custom_calls": dict(custom)}
+            else:
+                if opcode == "custom-call":
+                    target = re.search(r'custom_call_target="([^"]*)"', rest)
+                    _add(st, {"custom_calls": {target.group(1) if target else "?": 1.0}})
+                _add(st, {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)})
+        self.memo[(name, fused)] = st
+        return st
+
+
+def ops_time(text: str, gpu, model: GemmModel) -> dict:
+    """GEMM and memory-bound seconds of the executed instructions of an optimized module (module doc)."""
+    mod = hlo.parse_module(text)
+    walk = _Walk(mod, gpu, model)
+    st = walk.comp(mod.entry)
+    gemm_s = st.get("gemm_s", 0.0)
+    gemms = {"count": st.get("gemm_count", 0.0), "seconds": gemm_s, "flops": st.get("gemm_flops", 0.0),
+             "memory_bound": st.get("gemm_memory_bound", 0.0), "fp8_seconds": st.get("fp8_gemm_s", 0.0),
+             "efficiency": st.get("gemm_flops", 0.0) / max(gemm_s, 1e-30) / (gpu.peak_tflops * 1e12)}
+    memory = {"ops": st.get("mem_ops", 0.0), "bytes": st.get("mem_bytes", 0.0),
+              "seconds": st.get("mem_bytes", 0.0) / walk.bw}
+    top = sorted(st.get("by_shape", {}).items(), key=lambda kv: -kv[1]["seconds"])[:8]
+    return {"gemm": gemms, "gemm_top_shapes": dict(top), "memory_bound": memory,
+            "custom_calls": st.get("custom_calls", {})}
 
 
 def predict(cfg: Config, text: str, gpu, comm: dict, num_devices: int, model_flops_full: float) -> dict:
