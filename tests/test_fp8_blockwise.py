@@ -181,7 +181,8 @@ def test_projection_with_the_kernel_per_device_equals_one_device(spec, x_spec, w
 
 
 def test_layout_trains_as_one_device():
-    """data 2 x fsdp 2 x tensor 2 with the kernel per device against one device with XLA's ops: 3 steps. The
+    """data 2 x fsdp 2 x tensor 2, and 2 pipeline stages x fsdp 2, with the kernel per device against one device
+    with XLA's ops: 3 steps. The
     projections agree to 1e-7 (the test above); across a model, a value that lies within an fp32 ulp of an e4m3
     rounding boundary flips when the sums before it reorder. With 1 x 16 and 16 x 1 tiles there are many
     scales, so a few flips per step are expected: recording both runs' FP8 operands showed one flipped element
@@ -193,6 +194,11 @@ def test_layout_trains_as_one_device():
                                "model.fp8_blockwise_impl=pallas"), jax.devices())
     np.testing.assert_allclose(many["losses"], one["losses"], rtol=1e-4)
     assert_same_training(many, one, rtol=5e-3)
+    # 2 pipeline stages x fsdp 2 (1f1b): the kernel's shard_map nested in the pipeline's
+    piped = training_record(cfg("parallel.data=1", "parallel.stage=2", "parallel.fsdp=2", "train.micro_batch_size=2",
+                                "model.fp8_blockwise_impl=pallas"), jax.devices()[:4])
+    np.testing.assert_allclose(piped["losses"], one["losses"], rtol=1e-4)
+    assert_same_training(piped, one, rtol=5e-3)
 
 
 def test_widths_that_split_a_tile_are_config_errors():
