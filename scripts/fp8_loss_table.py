@@ -1,7 +1,7 @@
 """Train the default model once per ``model.fp8`` recipe and print the loss table of docs/performance.md.
 
     python scripts/fp8_loss_table.py --out runs/fp8_table                       # bf16, every recipe, 200 steps
-    python scripts/fp8_loss_table.py --out /tmp/t --steps 20 --recipes none blockwise --dtypes float32
+    python scripts/fp8_loss_table.py --out /tmp/t --steps 20 --recipes none blockwise --dtypes float32 --seed 1
 
 Each run is ``python -m jaxtron.train`` (the default config: built-in corpus, 200 steps) with
 ``model.dtype``/``model.fp8`` set, no checkpoints, and the held-out loss of step 200 taken over
@@ -19,11 +19,12 @@ import subprocess
 import sys
 
 
-def run(out: str, dtype: str, recipe: str, steps: int, eval_batches: int) -> str:
+def run(out: str, dtype: str, recipe: str, steps: int, eval_batches: int, seed: int = 0) -> str:
     out_dir = os.path.join(out, f"{dtype}_{recipe}")
     cmd = [sys.executable, "-m", "jaxtron.train", f"train.output_dir={out_dir}", "checkpoint.enabled=false",
            f"model.dtype={dtype}", f"model.fp8={recipe}", f"train.steps={steps}", f"train.eval_every={steps}",
-           f"train.eval_batches={eval_batches}", "logging.progress=false", "logging.tensorboard=false"]
+           f"train.eval_batches={eval_batches}", f"train.seed={seed}", "logging.progress=false",
+           "logging.tensorboard=false"]
     print(" ".join(cmd[1:]), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return os.path.join(out_dir, "metrics.jsonl")
@@ -56,11 +57,12 @@ def main(argv=None) -> int:
                    choices=["none", "current", "delayed", "blockwise"])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eval-batches", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="train.seed: initialization and data order")
     args = p.parse_args(argv)
     results = []
     for dtype in args.dtypes:
         for recipe in args.recipes:
-            path = run(args.out, dtype, recipe, args.steps, args.eval_batches)
+            path = run(args.out, dtype, recipe, args.steps, args.eval_batches, args.seed)
             results.append((dtype, recipe, summary(path, args.steps)))
     md = table(results)
     print(md)
