@@ -46,9 +46,9 @@ ROWS = [
      "virtual 5 (circular) x fsdp 2 (SP), model.fp8=current, stage weights gathered once, remat none",
      ["--config", "llama3_70b", "--num-gpus", "64", *PP8V5, "model.fp8=current"]),
     ("bridge-qwen3-30b-a3b-fp8", 8960, "Megatron-Bridge, 16 H100, FP8, EP 16", "Qwen3-30B-A3B, expert 16, capacity "
-     "1.25, model.fp8=current, remat full, the experts as compiled (ragged_dot)",
+     "1.25, model.fp8=current, remat full, the Pallas grouped matmul (bf16)",
      ["--config", "qwen3_30b_a3b", "--num-gpus", "16", "parallel.expert=16", "parallel.fsdp=1", "parallel.data=1",
-      "model.moe.ep_capacity_factor=1.25", "model.fp8=current"]),
+      "model.moe.ep_capacity_factor=1.25", "model.fp8=current", "model.moe.gmm_impl=pallas"]),
 ]
 
 

@@ -115,3 +115,21 @@ def test_search_proposes_pipeline_stages_when_the_network_is_the_bottleneck():
     assert all(t["mesh"]["stage"] == 2 and t["memory"]["fits"] for t in r["top"]), [t["overrides"] for t in r["top"]]
     times = [t["step_model"]["step_time_s"] for t in r["top"]]
     assert times == sorted(times)
+
+
+@needs_xla_gpu
+def test_grouped_matmul_kernels_are_timed_as_gemms():
+    """gmm_impl=pallas under expert parallelism: the grouped matmul's Triton calls (forward gmm, dgrad gmm_t,
+    wgrad tgmm) are GEMMs of their operands' shapes, 2 x rows x K x N each: gate, up and down of the 2 MoE layers,
+    3 calls each."""
+    from test_plan import MOE
+
+    r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, "parallel.expert=4", "parallel.data=2",
+             "model.moe.gmm_impl=pallas")
+    sm = r["step_model"]
+    kernels = {k: v for k, v in sm["gemm_top_shapes"].items() if k.startswith("kernel")}
+    assert {k.split()[1] for k in kernels} >= {"gmm", "tgmm"}, sm["gemm_top_shapes"]
+    rows, n, k = (int(x) for x in next(key for key in kernels if key.split()[1] == "gmm").split()[2].split("x"))
+    d, f = 64, 32  # MOE's hidden size and expert width
+    assert {n, k} == {d, f}
+    assert sm["gemm"]["kernel_flops"] == pytest.approx(2 * 3 * 3 * 2.0 * rows * d * f)

@@ -38,6 +38,9 @@ _SKIP = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
          "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"}
 _COLLECTIVE = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute|send|recv|"
                          r"async-start|async-update|async-done|copy-start|copy-done")
+# Pallas GEMM kernels, by the name their pallas_call carries in op_name: the grouped matmul's forward
+# (gmm), its dgrad (gmm_t, the experts read transposed), its wgrad (tgmm), and the block-scaled FP8 GEMM
+_KERNEL_GEMM = re.compile(r"/(gmm|gmm_t|tgmm|fp8_blockwise_matmul)/pallas_call")
 _DIMS = {key: re.compile(key + r"=\{([\d,]*)\}") for key in ("lhs_batch_dims", "lhs_contracting_dims",
                                                              "rhs_batch_dims", "rhs_contracting_dims")}
 
@@ -158,6 +161,29 @@ class _Walk:
                 "fp8_gemm_s": t["seconds"] if fp8 else 0.0, "gemm_memory_bound": float(t["bound"] == "memory"),
                 "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"]}}}
 
+    def kernel(self, shape: str, rest: str, shapes: dict):
+        """A Pallas GEMM kernel's stats as a GEMM of its (m, n, k), or None for any other custom call."""
+        kind = _KERNEL_GEMM.search(rest)
+        if not kind:
+            return None
+        ops = [hlo._dims(shapes.get(o, "")) for o in _operands(rest)]
+        out = hlo._dims(shape)
+        if kind.group(1) == "fp8_blockwise_matmul":
+            m, n, k, fp8 = out[0], out[1], ops[0][-1], True
+        elif kind.group(1) == "tgmm":   # [G, K, N] from rows [M, K] and [M, N]: K x N over the M rows
+            m, n, k, fp8 = out[1], out[2], ops[1][0], False
+        else:                           # [M, N] from rows [M, K] and the experts
+            m, n, k, fp8 = out[0], out[1], ops[1][-1], False
+        fp8 = fp8 and bool(self.gpu.fp8_peak_tflops)
+        moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in _operands(rest)) + hlo.shape_bytes(shape)
+        t = gemm_time(m, n, k, 1, self.gpu.fp8_peak_tflops if fp8 else self.gpu.peak_tflops, self.gpu.hbm_gbps,
+                      moved, self.model, fp8=fp8)
+        key = f"kernel {kind.group(1)} {m}x{n}x{k}"
+        return {"gemm_count": 1.0, "gemm_s": t["seconds"], "gemm_flops": 2.0 * m * n * k, "kernel_gemm_flops":
+                2.0 * m * n * k, "fp8_gemm_s": t["seconds"] if fp8 else 0.0,
+                "gemm_memory_bound": float(t["bound"] == "memory"),
+                "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"]}}}
+
     def comp(self, name: str, fused: bool = False) -> dict:
         if (name, fused) in self.memo:
             return self.memo[(name, fused)]
@@ -192,10 +218,11 @@ class _Walk:
             elif opcode in _SKIP or _COLLECTIVE.search(opcode):
                 continue
             else:
+                gemm = self.kernel(shape, rest, shapes) if opcode == "custom-call" else None
                 if opcode == "custom-call":
                     target = re.search(r'custom_call_target="([^"]*)"', rest)
                     _add(st, {"custom_calls": {target.group(1) if target else "?": 1.0}})
-                _add(st, {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)})
+                _add(st, gemm or {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)})
         self.memo[(name, fused)] = st
         return st
 
@@ -208,6 +235,7 @@ def ops_time(text: str, gpu, model: GemmModel) -> dict:
     gemm_s = st.get("gemm_s", 0.0)
     gemms = {"count": st.get("gemm_count", 0.0), "seconds": gemm_s, "flops": st.get("gemm_flops", 0.0),
              "memory_bound": st.get("gemm_memory_bound", 0.0), "fp8_seconds": st.get("fp8_gemm_s", 0.0),
+             "kernel_flops": st.get("kernel_gemm_flops", 0.0),
              "efficiency": st.get("gemm_flops", 0.0) / max(gemm_s, 1e-30) / (gpu.peak_tflops * 1e12)}
     memory = {"ops": st.get("mem_ops", 0.0), "bytes": st.get("mem_bytes", 0.0),
               "seconds": st.get("mem_bytes", 0.0) / walk.bw}
