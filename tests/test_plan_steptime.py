@@ -133,3 +133,19 @@ def test_grouped_matmul_kernels_are_timed_as_gemms():
     d, f = 64, 32  # MOE's hidden size and expert width
     assert {n, k} == {d, f}
     assert sm["gemm"]["kernel_flops"] == pytest.approx(2 * 3 * 3 * 2.0 * rows * d * f)
+
+
+def test_search_candidates_try_fp8_recipes_only_when_asked_and_drop_invalid_ones():
+    """--search-fp8: the recipes become a search axis; blockwise candidates whose tensor split cuts a 128-wide
+    tile are invalid and dropped before ranking; without it every candidate keeps the config's recipe."""
+    from jaxtron.plan import _valid, candidate_configs
+    from test_plan import _cfg
+
+    cfg = _cfg()
+    assert {c.model.fp8 for c in candidate_configs(cfg, 8)} == {"none"}
+    cands = [c for c in candidate_configs(cfg, 8, fp8_recipes=["none", "current", "blockwise"]) if _valid(c, 8)]
+    assert {c.model.fp8 for c in cands} == {"none", "current", "blockwise"}
+    blockwise = [c for c in cands if c.model.fp8 == "blockwise"]
+    # kv heads x head_dim = 4 x 32 = 128: one tile, so blockwise never splits it over tensor
+    assert blockwise and all(c.parallel.tensor == 1 for c in blockwise)
+    assert any(c.parallel.tensor > 1 for c in cands if c.model.fp8 == "current")

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from jaxtron.config import Config
+from jaxtron.config import Config, ConfigError
 from jaxtron.parallel.layout import Layout
 from jaxtron.plan import hlo
 from jaxtron.plan import model as pm
@@ -327,8 +327,12 @@ def _stages(cfg: Config, devices: int, context: int) -> list[int]:
 
 
 def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
-                      remats: Sequence[str] = ("none", "save_dots", "full")) -> list[Config]:
+                      remats: Sequence[str] = ("none", "save_dots", "full"),
+                      fp8_recipes: Optional[Sequence[str]] = None) -> list[Config]:
+    """Layouts for --search (module doc of docs/planner.md); ``fp8_recipes``: the ``model.fp8`` values to try
+    (default: the config's only)."""
     m, gbs = cfg.model, cfg.train.global_batch_size
+    fp8s = list(dict.fromkeys(fp8_recipes or [m.fp8]))
     out = []
     widths = [m.num_heads, m.num_kv_heads, m.intermediate_size]  # what tensor parallelism splits
     if m.moe.num_experts:
@@ -347,8 +351,9 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
                 continue
             # a pipeline needs at least as many micro batches as stages
             mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16 and gbs // (dp * b) >= stage]
-            for mbs, remat in itertools.product(mbs_opts, remats):
+            for mbs, remat, fp8 in itertools.product(mbs_opts, remats, fp8s):
                 c = copy.deepcopy(cfg)
+                c.model.fp8 = fp8
                 c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, stage
                 c.parallel.pipeline_schedule, c.parallel.virtual_stages = "1f1b", 1
                 c.parallel.expert = expert
@@ -362,8 +367,21 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
     return out
 
 
+def _valid(cfg: Config, num_gpus: int) -> bool:
+    """Whether a candidate passes config validation and the layout's checks (blockwise FP8's widths, ...)."""
+    from jaxtron.config.validation import validate
+
+    try:
+        validate(cfg)
+        Layout.planned(cfg, num_gpus)
+    except (ConfigError, ValueError):
+        return False
+    return True
+
+
 def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices=None, max_compiles: int = 12,
-           top: int = 5, margin: float = 1.15, log=None, moe_gemm: str = "as_compiled") -> dict:
+           top: int = 5, margin: float = 1.15, log=None, moe_gemm: str = "as_compiled",
+           fp8_recipes: Optional[Sequence[str]] = None) -> dict:
     """Try layouts: closed-form memory prunes (estimate > ``margin`` x usable memory), a closed-form step time
     orders the rest, the first ``max_compiles`` are compiled; those whose compiled peak does not fit are
     dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`)."""
@@ -373,7 +391,8 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
         devices, backend, notes = target_devices(gpu, num_gpus, backend)
     else:
         backend, notes = ("gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"), []
-    cands = candidate_configs(cfg, num_gpus, gpu.gpus_per_node)
+    cands = [c for c in candidate_configs(cfg, num_gpus, gpu.gpus_per_node, fp8_recipes=fp8_recipes)
+             if _valid(c, num_gpus)]
     scored, pruned = [], 0
     for c in cands:
         cc, _ = prepare_config(c, backend)

@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--search", action="store_true", help="try layouts and print the 5 fastest that fit")
     p.add_argument("--max-compiles", type=int, default=12, help="--search: compile at most this many layouts")
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("--search-fp8", nargs="+", default=None, choices=("none", "current", "delayed", "blockwise"),
+                   metavar="RECIPE", help="--search: also try these model.fp8 recipes (FP8 changes the numerics, "
+                                          "so by default every candidate keeps the config's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--moe-gemm", choices=("as_compiled", "grouped"), default="as_compiled",
                    help="MoE: the routed experts' matmuls in the roofline: as compiled (ragged_dot's masked dense "
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
         if args.search:
             log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
             out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,
-                         log=log, moe_gemm=args.moe_gemm)
+                         log=log, moe_gemm=args.moe_gemm, fp8_recipes=args.search_fp8)
             print(json.dumps(out, default=float) if args.json else "", end="\n" if args.json else "")
             if not args.json:
                 _print_search(out)
