@@ -149,3 +149,7 @@ def test_search_candidates_try_fp8_recipes_only_when_asked_and_drop_invalid_ones
     # kv heads x head_dim = 4 x 32 = 128: one tile, so blockwise never splits it over tensor
     assert blockwise and all(c.parallel.tensor == 1 for c in blockwise)
     assert any(c.parallel.tensor > 1 for c in cands if c.model.fp8 == "current")
+    # pipelines: 1f1b, and circular with 2 virtual stages where 4 layers split into 2 x stages chunks
+    piped = {(c.parallel.stage, c.parallel.pipeline_schedule, c.parallel.virtual_stages) for c in cands
+             if c.parallel.stage > 1}
+    assert piped == {(2, "1f1b", 1), (2, "circular", 2), (4, "1f1b", 1)}, piped

@@ -195,7 +195,8 @@ def layout_overrides(cfg: Config) -> str:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     mbs = t.micro_batch_size if t.micro_batch_size is not None else "null"
     ep = f"parallel.expert={p.expert} " if cfg.model.moe.num_experts else ""
-    pp = f"parallel.pipeline_schedule={p.pipeline_schedule} " if p.stage > 1 else ""
+    pp = (f"parallel.pipeline_schedule={p.pipeline_schedule} parallel.virtual_stages={p.virtual_stages} "
+          if p.stage > 1 else "")
     return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} {ep}parallel.context={p.context} "
             f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage={p.stage} {pp}"
             f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
@@ -351,11 +352,13 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
                 continue
             # a pipeline needs at least as many micro batches as stages
             mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16 and gbs // (dp * b) >= stage]
-            for mbs, remat, fp8 in itertools.product(mbs_opts, remats, fp8s):
+            # under stages: 1f1b, and the circular schedule with 2 virtual stages where the layers split evenly
+            schedules = [("1f1b", 1)] + ([("circular", 2)] if stage > 1 and m.num_layers % (2 * stage) == 0 else [])
+            for mbs, remat, fp8, (schedule, virtual) in itertools.product(mbs_opts, remats, fp8s, schedules):
                 c = copy.deepcopy(cfg)
                 c.model.fp8 = fp8
                 c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, stage
-                c.parallel.pipeline_schedule, c.parallel.virtual_stages = "1f1b", 1
+                c.parallel.pipeline_schedule, c.parallel.virtual_stages = schedule, virtual
                 c.parallel.expert = expert
                 c.parallel.context = context
                 if context > 1:  # the flash kernels do not take context > 1: the ring attends in query tiles
