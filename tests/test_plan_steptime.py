@@ -153,3 +153,26 @@ def test_search_candidates_try_fp8_recipes_only_when_asked_and_drop_invalid_ones
     piped = {(c.parallel.stage, c.parallel.pipeline_schedule, c.parallel.virtual_stages) for c in cands
              if c.parallel.stage > 1}
     assert piped == {(2, "1f1b", 1), (2, "circular", 2), (4, "1f1b", 1)}, piped
+
+
+def test_the_step_models_constants_are_overridable():
+    from jaxtron.plan.steptime import gemm_model
+
+    model = gemm_model(H100.replace(gemm_peak_fraction=0.4, hbm_fraction=0.5))
+    assert (model.peak_fraction, model.hbm_fraction, model.fp8_peak_fraction) == (0.4, 0.5, 0.7)
+    assert _gemm(8192, 14336, 4096, model=model)["seconds"] == pytest.approx(2 * _gemm(8192, 14336, 4096)["seconds"])
+    from helpers import tiny_config
+
+    cfg = tiny_config("model.attention_impl=cudnn", "model.dtype=bfloat16")
+    assert steptime.attention_seconds(cfg, 1, 100.0) == pytest.approx(
+        steptime.attention_seconds(cfg, 1) * steptime.ATTENTION_TFLOPS["cudnn"] / 100.0)
+
+
+def test_an_out_of_range_step_model_constant_is_a_one_line_error():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", "--gemm-peak-fraction", "1.5"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: --gemm-peak-fraction: must be in (0, 1], got 1.5"

@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     hw.add_argument("--comm-efficiency", type=float)
     hw.add_argument("--collective-latency-us", type=float)
     hw.add_argument("--mem-fraction", type=float, help="usable fraction of device memory (default 0.95)")
+    sm = p.add_argument_group("step model overrides (defaults and sources in jaxtron/plan/gemm.py and steptime.py)")
+    sm.add_argument("--gemm-peak-fraction", type=float, help="of the bf16 peak a large GEMM reaches (0.80)")
+    sm.add_argument("--gemm-fp8-peak-fraction", type=float, help="of the FP8 peak a large FP8 GEMM reaches (0.70)")
+    sm.add_argument("--hbm-fraction", type=float, help="of HBM bandwidth a streaming kernel reaches (0.90)")
+    sm.add_argument("--attention-tflops", type=float, help="the attention kernel's forward+backward TFLOP/s "
+                                                             "(causal half counted; default: measured per impl)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. parallel.tensor=8")
     return p
 
@@ -159,11 +165,13 @@ def _bad_argument(args) -> str | None:
         v = getattr(args, name)
         if v is not None and v < 1:
             return f"--{name.replace('_', '-')}: must be >= 1, got {v}"
-    for name in ("peak_tflops", "fp8_peak_tflops", "hbm_gbps", "nvlink_gbps", "net_gbps", "collective_latency_us"):
+    for name in ("peak_tflops", "fp8_peak_tflops", "hbm_gbps", "nvlink_gbps", "net_gbps", "collective_latency_us",
+                 "attention_tflops"):
         v = getattr(args, name)
         if v is not None and not v > 0:
             return f"--{name.replace('_', '-')}: must be > 0, got {v}"
-    for name in ("compute_efficiency", "comm_efficiency", "mem_fraction"):
+    for name in ("compute_efficiency", "comm_efficiency", "mem_fraction", "gemm_peak_fraction",
+                 "gemm_fp8_peak_fraction", "hbm_fraction"):
         v = getattr(args, name)
         if v is not None and not 0 < v <= 1:
             return f"--{name.replace('_', '-')}: must be in (0, 1], got {v}"
@@ -201,7 +209,9 @@ def main(argv=None) -> int:
             nvlink_gbps=args.nvlink_gbps,
             net_gbps=args.net_gbps, gpus_per_node=args.gpus_per_node, compute_efficiency=args.compute_efficiency,
             comm_efficiency=args.comm_efficiency, collective_latency_us=args.collective_latency_us,
-            mem_fraction=args.mem_fraction)
+            mem_fraction=args.mem_fraction, gemm_peak_fraction=args.gemm_peak_fraction,
+            gemm_fp8_peak_fraction=args.gemm_fp8_peak_fraction, hbm_fraction=args.hbm_fraction,
+            attention_tflops=args.attention_tflops)
         if args.search:
             log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
             out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,

@@ -18,6 +18,8 @@ flash attention forward+backward ~50-60%; the memory-bound kernels are timed sep
 ``comm_efficiency`` (NCCL bus bandwidth ~80% of link speed intra node, less over the network). All of them can
 be overridden on the command line (``--peak-tflops``, ``--fp8-peak-tflops``, ``--hbm-gbps``, ``--nvlink-gbps``,
 ``--net-gbps``, ``--compute-efficiency``, ``--comm-efficiency``, ``--gpus-per-node``, ``--mem-fraction``).
+The step model's constants (jaxtron/plan/gemm.py, steptime.py) have their own flags, kept here as optional
+fields: ``--gemm-peak-fraction``, ``--gemm-fp8-peak-fraction``, ``--hbm-fraction``, ``--attention-tflops``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 GPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpus")
 
@@ -44,6 +47,11 @@ class GpuSpec:
     comm_efficiency: float = 0.8
     collective_latency_us: float = 15.0   # fixed cost per collective launch (NCCL, intra/inter node average)
     mem_fraction: float = 0.95   # of device memory usable by XLA (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)
+    # step model overrides (None: jaxtron/plan/gemm.py's per-GPU defaults, steptime.ATTENTION_TFLOPS)
+    gemm_peak_fraction: Optional[float] = None
+    gemm_fp8_peak_fraction: Optional[float] = None
+    hbm_fraction: Optional[float] = None
+    attention_tflops: Optional[float] = None
 
     @property
     def target_config_path(self) -> str:

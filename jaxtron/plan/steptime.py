@@ -20,8 +20,10 @@ The instructions run one after the other on one stream (XLA:GPU's default), so t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
+from typing import Optional
 
 import numpy as np
 
@@ -115,15 +117,16 @@ def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float
     return sum(reads) + hlo.shape_bytes(body_shapes.get(update, ""))
 
 
-def attention_seconds(cfg: Config, num_devices: int) -> float:
-    """The attention kernels' time per device per step, when they are custom calls (module doc)."""
+def attention_seconds(cfg: Config, num_devices: int, tflops: Optional[float] = None) -> float:
+    """The attention kernels' time per device per step, when they are custom calls (module doc); ``tflops``
+    overrides the measured rate."""
     m, impl = cfg.model, cfg.model.attention_impl
     if impl not in ATTENTION_TFLOPS:
         return 0.0
     s = cfg.data.seq_len
     forward = 2 * 2 * s * m.num_heads * head_dim(m) * 0.5 * cfg.train.global_batch_size * s * m.num_layers
     factor = 3.5 + (1.0 if m.remat == "full" else 0.0)
-    return forward * factor / num_devices / (ATTENTION_TFLOPS[impl] * 1e12)
+    return forward * factor / num_devices / ((tflops or ATTENTION_TFLOPS[impl]) * 1e12)
 
 
 def _add(acc: dict, other: dict, factor: float = 1.0) -> None:
@@ -244,11 +247,19 @@ def ops_time(text: str, gpu, model: GemmModel) -> dict:
             "custom_calls": st.get("custom_calls", {})}
 
 
+def gemm_model(gpu) -> GemmModel:
+    """The GPU's GEMM model (jaxtron/plan/gemm.py) with the command line's overrides."""
+    model = DEFAULTS.get(gpu.name, GemmModel())
+    over = {"peak_fraction": gpu.gemm_peak_fraction, "fp8_peak_fraction": gpu.gemm_fp8_peak_fraction,
+            "hbm_fraction": gpu.hbm_fraction}
+    return dataclasses.replace(model, **{k: v for k, v in over.items() if v is not None})
+
+
 def predict(cfg: Config, text: str, gpu, comm: dict, num_devices: int, model_flops_full: float) -> dict:
     """The step-time prediction (module doc); ``comm`` is the roofline's collective timing."""
-    model = DEFAULTS.get(gpu.name, GemmModel())
+    model = gemm_model(gpu)
     ops = ops_time(text, gpu, model)
-    attention_s = attention_seconds(cfg, num_devices)
+    attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops)
     compute = ops["gemm"]["seconds"] + attention_s + ops["memory_bound"]["seconds"]
     step = compute + comm["exposed"] + max(0.0, comm["overlappable"] - compute)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -258,5 +269,6 @@ def predict(cfg: Config, text: str, gpu, comm: dict, num_devices: int, model_flo
         "gemm_s": ops["gemm"]["seconds"], "attention_s": attention_s, "memory_bound_s": ops["memory_bound"]["seconds"],
         "exposed_comm_s": comm["exposed"], "overlappable_comm_s": comm["overlappable"],
         "gemm_efficiency": ops["gemm"]["efficiency"], **ops,
-        "constants": {**model.__dict__, "attention_tflops": ATTENTION_TFLOPS.get(cfg.model.attention_impl)},
+        "constants": {**model.__dict__,
+                      "attention_tflops": gpu.attention_tflops or ATTENTION_TFLOPS.get(cfg.model.attention_impl)},
     }
