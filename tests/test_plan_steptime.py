@@ -176,3 +176,18 @@ def test_an_out_of_range_step_model_constant_is_a_one_line_error():
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: --gemm-peak-fraction: must be in (0, 1], got 1.5"
+
+
+def test_search_compiles_the_best_of_each_stage_count_before_the_rest():
+    """The closed form cannot see a schedule's recomputation and idle ticks, so --search compiles each stage
+    count's best candidate before filling its budget in the closed form's order."""
+    from types import SimpleNamespace
+
+    from jaxtron.plan import _to_compile
+
+    cands = [SimpleNamespace(name=n, parallel=SimpleNamespace(stage=s))
+             for n, s in (("a", 1), ("b", 1), ("c", 1), ("d", 2), ("e", 1), ("f", 4), ("g", 2))]
+    scored = [(float(i), c) for i, c in enumerate(cands)]
+    assert [c.name for c in _to_compile(scored, 5)] == ["a", "d", "f", "b", "c"]
+    assert [c.name for c in _to_compile(scored, 2)] == ["a", "d"]
+    assert [c.name for c in _to_compile(scored, 10)] == ["a", "d", "f", "b", "c", "e", "g"]

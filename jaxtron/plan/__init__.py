@@ -382,12 +382,24 @@ def _valid(cfg: Config, num_gpus: int) -> bool:
     return True
 
 
+def _to_compile(scored: list, max_compiles: int) -> list:
+    """The candidates to compile: the closed form's best of each pipeline stage count first (the closed form
+    cannot see what the step model counts in a schedule, so each stage count gets one compiled verdict), then
+    the closed form's order; ``max_compiles`` in all."""
+    best_per_stage: dict = {}
+    for _, c in scored:
+        best_per_stage.setdefault(c.parallel.stage, c)
+    picked = list(best_per_stage.values())[:max_compiles]
+    picked += [c for _, c in scored if all(c is not p for p in picked)][:max_compiles - len(picked)]
+    return picked
+
+
 def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices=None, max_compiles: int = 12,
            top: int = 5, margin: float = 1.15, log=None, moe_gemm: str = "as_compiled",
            fp8_recipes: Optional[Sequence[str]] = None) -> dict:
     """Try layouts: closed-form memory prunes (estimate > ``margin`` x usable memory), a closed-form step time
-    orders the rest, the first ``max_compiles`` are compiled; those whose compiled peak does not fit are
-    dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`)."""
+    orders the rest, and ``max_compiles`` are compiled (:func:`_to_compile`); those whose compiled peak does
+    not fit are dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`)."""
     check_moe_gemm(moe_gemm)
     t0 = time.perf_counter()
     if devices is None:
@@ -407,7 +419,7 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
         scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus, moe_gemm), c))
     scored.sort(key=lambda x: x[0])
     results, rejected = [], []
-    for _, c in scored[:max_compiles]:
+    for c in _to_compile(scored, max_compiles):
         try:
             r = plan(c, gpu, num_gpus, backend, devices, moe_gemm=moe_gemm)
         except Exception as err:  # noqa: BLE001 - a layout that does not compile is reported, not fatal
