@@ -105,14 +105,14 @@ def test_pipelined_step_compiles_with_the_kernels_and_counts_its_schedule():
 
 
 @needs_xla_gpu
-def test_search_proposes_pipeline_stages_when_the_network_is_the_bottleneck():
-    """16 H100s in 2 nodes with a 0.5 GB/s network: gathering weights over it (FSDP, data parallelism) costs more
-    than passing activations between 2 stages, so --search proposes pipelined layouts, each compiled and
-    fitting."""
+def test_search_compiles_and_ranks_pipelined_layouts_by_the_step_model():
+    """16 H100s in 2 nodes with a 0.5 GB/s network: --search compiles each stage count's best candidate, so
+    pipelined layouts are judged by the step model and proposed beside the others, each compiled and fitting,
+    in the step model's order."""
     r = _cli("--gpu", "h100", "--num-gpus", "16", "--net-gbps", "0.5", "--search", "--max-compiles", "4",
              "--top", "3", *SMALL, "train.global_batch_size=64", timeout=600)
-    assert r["top"], r
-    assert all(t["mesh"]["stage"] == 2 and t["memory"]["fits"] for t in r["top"]), [t["overrides"] for t in r["top"]]
+    assert len(r["top"]) == 3 and all(t["memory"]["fits"] for t in r["top"]), r
+    assert any(t["mesh"]["stage"] > 1 for t in r["top"]), [t["overrides"] for t in r["top"]]
     times = [t["step_model"]["step_time_s"] for t in r["top"]]
     assert times == sorted(times)
 
