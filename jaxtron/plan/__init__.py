@@ -18,14 +18,13 @@ import_jax()  # before this package imports JAX: quiet on a machine without a GP
 
 import copy
 import importlib.metadata
-import itertools
 import time
 from typing import Optional, Sequence
 
 import jax
 import numpy as np
 
-from jaxtron.config import Config, ConfigError
+from jaxtron.config import Config
 from jaxtron.parallel.layout import Layout
 from jaxtron.plan import hlo
 from jaxtron.plan import model as pm
@@ -306,131 +305,6 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     return result
 
 
-# ------------------------------------------------------------------------------------------------ search
-
-
-LONG_CONTEXT = 16384  # --search tries context parallelism from this sequence length on
-
-
-def contexts(cfg: Config, devices: int) -> list[int]:
-    """Context sizes --search tries: 1, and for long sequences every divisor that splits seq into 2C chunks."""
-    if cfg.data.seq_len < LONG_CONTEXT:
-        return [1]
-    return [c for c in pm.divisors(devices) if cfg.data.seq_len % (2 * c) == 0 or c == 1]
-
-
-def _stages(cfg: Config, devices: int, context: int) -> list[int]:
-    """Pipeline sizes --search tries: 1, and (1f1b, context 1) every divisor of the devices that splits the
-    layers evenly, up to 16."""
-    if context > 1:  # ring attention does not run under stages
-        return [1]
-    return [s for s in pm.divisors(devices) if s <= 16 and cfg.model.num_layers % s == 0]
-
-
-def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
-                      remats: Sequence[str] = ("none", "save_dots", "full"),
-                      fp8_recipes: Optional[Sequence[str]] = None) -> list[Config]:
-    """Layouts for --search (module doc of docs/planner.md); ``fp8_recipes``: the ``model.fp8`` values to try
-    (default: the config's only)."""
-    m, gbs = cfg.model, cfg.train.global_batch_size
-    fp8s = list(dict.fromkeys(fp8_recipes or [m.fp8]))
-    out = []
-    widths = [m.num_heads, m.num_kv_heads, m.intermediate_size]  # what tensor parallelism splits
-    if m.moe.num_experts:
-        widths += [m.moe.expert_intermediate_size, pmoe.shared_width(m) or m.moe.expert_intermediate_size]
-    splits = [(t, c, st) for t in pm.divisors(num_gpus)
-              if t <= gpus_per_node and not any(w % t for w in widths)
-              for c in contexts(cfg, num_gpus // t) for st in _stages(cfg, num_gpus // (t * c), c)]
-    num_experts = m.moe.num_experts if m.moe.dispatch == "dropless" else 0  # EP runs the dropless dispatch
-    for tensor, context, stage in splits:
-        rest = num_gpus // (tensor * context * stage)
-        for expert, fsdp in [(e, f) for e in pm.divisors(rest) if e == 1 or (num_experts and num_experts % e == 0)
-                             for f in pm.divisors(rest // e)]:
-            data = rest // (expert * fsdp)
-            dp = data * fsdp * expert
-            if gbs % dp:
-                continue
-            # a pipeline needs at least as many micro batches as stages
-            mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16 and gbs // (dp * b) >= stage]
-            # under stages: 1f1b, and the circular schedule with 2 virtual stages where the layers split evenly
-            schedules = [("1f1b", 1)] + ([("circular", 2)] if stage > 1 and m.num_layers % (2 * stage) == 0 else [])
-            for mbs, remat, fp8, (schedule, virtual) in itertools.product(mbs_opts, remats, fp8s, schedules):
-                c = copy.deepcopy(cfg)
-                c.model.fp8 = fp8
-                c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, stage
-                c.parallel.pipeline_schedule, c.parallel.virtual_stages = schedule, virtual
-                c.parallel.expert = expert
-                c.parallel.context = context
-                if context > 1:  # the flash kernels do not take context > 1: the ring attends in query tiles
-                    c.parallel.context_impl, c.model.attention_impl = "ring", "xla"
-                c.parallel.sequence_parallel = tensor > 1 and cfg.data.seq_len % tensor == 0
-                c.train.micro_batch_size = mbs
-                c.model.remat = remat
-                out.append(c)
-    return out
-
-
-def _valid(cfg: Config, num_gpus: int) -> bool:
-    """Whether a candidate passes config validation and the layout's checks (blockwise FP8's widths, ...)."""
-    from jaxtron.config.validation import validate
-
-    try:
-        validate(cfg)
-        Layout.planned(cfg, num_gpus)
-    except (ConfigError, ValueError):
-        return False
-    return True
-
-
-def _to_compile(scored: list, max_compiles: int) -> list:
-    """The candidates to compile: the closed form's best of each pipeline stage count first (the closed form
-    cannot see what the step model counts in a schedule, so each stage count gets one compiled verdict), then
-    the closed form's order; ``max_compiles`` in all."""
-    best_per_stage: dict = {}
-    for _, c in scored:
-        best_per_stage.setdefault(c.parallel.stage, c)
-    picked = list(best_per_stage.values())[:max_compiles]
-    picked += [c for _, c in scored if all(c is not p for p in picked)][:max_compiles - len(picked)]
-    return picked
-
-
-def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices=None, max_compiles: int = 12,
-           top: int = 5, margin: float = 1.15, log=None, moe_gemm: str = "as_compiled",
-           fp8_recipes: Optional[Sequence[str]] = None) -> dict:
-    """Try layouts: closed-form memory prunes (estimate > ``margin`` x usable memory), a closed-form step time
-    orders the rest, and ``max_compiles`` are compiled (:func:`_to_compile`); those whose compiled peak does
-    not fit are dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`)."""
-    check_moe_gemm(moe_gemm)
-    t0 = time.perf_counter()
-    if devices is None:
-        devices, backend, notes = target_devices(gpu, num_gpus, backend)
-    else:
-        backend, notes = ("gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"), []
-    cands = [c for c in candidate_configs(cfg, num_gpus, gpu.gpus_per_node, fp8_recipes=fp8_recipes)
-             if _valid(c, num_gpus)]
-    scored, pruned = [], 0
-    for c in cands:
-        cc, _ = prepare_config(c, backend)
-        layout = Layout.planned(cc, num_gpus)
-        est = pm.closed_form_memory(cc, layout)
-        if est["total"] > margin * gpu.usable_bytes:
-            pruned += 1
-            continue
-        scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus, moe_gemm), c))
-    scored.sort(key=lambda x: x[0])
-    results, rejected = [], []
-    for c in _to_compile(scored, max_compiles):
-        try:
-            r = plan(c, gpu, num_gpus, backend, devices, moe_gemm=moe_gemm)
-        except Exception as err:  # noqa: BLE001 - a layout that does not compile is reported, not fatal
-            rejected.append({"overrides": layout_overrides(c), "error": str(err).splitlines()[0][:300]})
-            continue
-        if log:
-            log(f"  {r['overrides']}: peak {r['memory']['peak'] / 2**30:.1f} GiB, "
-                f"step {r['step_model']['step_time_s']:.3f} s (step model), compile {r['compile_s']:.1f} s")
-        (results if r["memory"]["fits"] else rejected).append(r)
-    results.sort(key=lambda r: r["step_model"]["step_time_s"])
-    return {"candidates": len(cands), "pruned_by_estimate": pruned, "compiled": min(len(scored), max_compiles),
-            "not_fitting_or_failed": [x if "error" in x else {"overrides": x["overrides"],
-                                                              "peak": x["memory"]["peak"]} for x in rejected],
-            "top": results[:top], "search_s": time.perf_counter() - t0, "notes": notes + [PIPELINE_NOTE]}
+# --search lives in jaxtron/plan/search.py
+from jaxtron.plan.search import (LONG_CONTEXT, _to_compile, _valid, candidate_configs,  # noqa: E402,F401
+                                  contexts, search)
