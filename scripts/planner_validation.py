@@ -72,8 +72,8 @@ def row(name, measured, who, layout, args) -> dict:
             "step_model": sm["tokens_per_s_per_gpu"], "roofline": roof["tokens_per_s_per_gpu"],
             "step_model_error": sm["tokens_per_s_per_gpu"] / measured - 1,
             "roofline_error": roof["tokens_per_s_per_gpu"] / measured - 1,
-            "parts_s": {k: sm[k] for k in ("gemm_s", "attention_s", "memory_bound_s", "exposed_comm_s",
-                                           "overlappable_comm_s")},
+            "parts_s": {k: sm[k] for k in ("gemm_s", "attention_s", "memory_bound_s", "comm_s", "exposed_comm_s")},
+            "longest_waits": sm["longest_waits"][:3],
             "gemm_efficiency": sm["gemm_efficiency"]}
 
 

@@ -224,9 +224,9 @@ def test_roofline_is_sane():
 # -------------------------------------------------------------------------------------- XLA:GPU compiler
 
 
-def _cli(*args, timeout=400):
+def _cli(*args, timeout=400, xla_flags=""):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["XLA_FLAGS"] = FAST_COMPILE  # the memory analysis and the HLO do not depend on LLVM's optimization
+    env["XLA_FLAGS"] = f"{FAST_COMPILE} {xla_flags}"  # the memory analysis and the HLO do not depend on LLVM's optimization
     proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", "--json", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]

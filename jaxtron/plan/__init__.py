@@ -238,6 +238,14 @@ def flops_report(cfg: Config, roof: dict, hlo_matmul_flops: float, num_devices: 
     }
 
 
+def _collective_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gemm: str) -> dict:
+    """Each collective's link seconds per execution, keyed by (computation, name), for the step model."""
+    if node_of is None:
+        node_of = np.arange(len(layout.mesh.devices.flat)) // gpu.gpus_per_node
+    return {(op.computation, op.name): secs
+            for op, secs, *_ in pm.collective_timing(cfg, layout, gpu, ops, node_of, moe_gemm)}
+
+
 def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices: Optional[Sequence] = None,
          keep_hlo: bool = False, moe_gemm: str = "as_compiled") -> dict:
     """Compile ``cfg`` for ``num_gpus`` GPUs of kind ``gpu`` and report memory, FLOPs, communication and the
@@ -288,8 +296,7 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
                           for kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
                           for ps in [hlo.async_overlap(text, kind)] if ps},
         "roofline": roof,
-        "step_model": steptime.predict(ccfg, text, gpu, {"exposed": roof["exposed_comm_s"],
-                                                         "overlappable": roof["overlappable_comm_s"]},
+        "step_model": steptime.predict(ccfg, text, gpu, _collective_seconds(ccfg, layout, gpu, ops, node_of, moe_gemm),
                                        len(devices), roof["model_flops_per_step"]),
         "hardware": {"peak_tflops": gpu.peak_tflops, "fp8_peak_tflops": gpu.fp8_peak_tflops, "hbm_gbps": gpu.hbm_gbps,
                      "nvlink_gbps": gpu.nvlink_gbps,

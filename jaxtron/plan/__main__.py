@@ -113,6 +113,8 @@ def _print_plan(r: dict) -> None:
         print(f"  GEMMs {sm['gemm_s']:.3f} s ({sm['gemm']['count']:.0f} runs at {sm['gemm_efficiency']:.1%} of the bf16 "
               f"peak), attention kernels {sm['attention_s']:.3f} s, memory-bound ops {sm['memory_bound_s']:.3f} s "
               f"({sm['memory_bound']['ops']:.0f} runs)")
+        print(f"  collectives {sm['comm_s']:.3f} s on the wire: {sm['exposed_comm_s']:.3f} s exposed, "
+              f"{sm['overlapped_comm_s']:.3f} s under compute (XLA's schedule replayed; jaxtron/plan/schedule.py)")
         print(f"  step time {sm['step_time_s']:.3f} s, {sm['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {sm['mfu']:.1%} "
               "(full attention FLOPs): a prediction")
     for n in r["notes"]:

@@ -229,21 +229,79 @@ def parse_module(text: str) -> HloModule:
         shape, op_rest = _split_shape(rest)
         opcode = op_rest.split("(", 1)[0].strip()
         comps[cur].append((name, shape, opcode, op_rest))
-        trip = 1.0
-        if opcode == "while":
-            t = _TRIP_RE.search(op_rest)
-            trip = float(t.group(1)) if t else 1.0
-        for key, callee in _CALLEE_RE.findall(op_rest):
-            factor = 1.0
-            if opcode == "while":
-                factor = trip if key == "body" else trip + 1
-            calls[cur].append((callee, factor))
-        for lst in _LIST_CALLEE_RE.findall(op_rest):
-            for callee in re.findall(r"%?([\w.\-]+)", lst):
-                calls[cur].append((callee, 1.0))
     if entry is None and comps:
         entry = list(comps)[-1]
-    return HloModule(comps, entry, dict(calls))
+    mod = HloModule(comps, entry, {})
+    for comp, instrs in comps.items():
+        for _name, _shape, opcode, op_rest in instrs:
+            trip = while_trip_count(mod, comp, op_rest) if opcode == "while" else 1.0
+            for key, callee in _CALLEE_RE.findall(op_rest):
+                factor = 1.0
+                if opcode == "while":
+                    factor = trip if key == "body" else trip + 1
+                calls[comp].append((callee, factor))
+            for lst in _LIST_CALLEE_RE.findall(op_rest):
+                for callee in re.findall(r"%?([\w.\-]+)", lst):
+                    calls[comp].append((callee, 1.0))
+    mod.calls = dict(calls)
+    return mod
+
+
+def _constant(instrs: list, name: str) -> Optional[int]:
+    """The integer a scalar instruction holds when it is a constant, through copies and bitcasts."""
+    by_name = {n: (op, r) for n, _s, op, r in instrs}
+    for _ in range(8):
+        if name not in by_name:
+            return None
+        opcode, rest = by_name[name]
+        if opcode == "constant":
+            m = re.match(r"constant\((-?\d+)\)", rest)
+            return int(m.group(1)) if m else None
+        if opcode not in ("copy", "bitcast", "convert"):
+            return None
+        name = (re.match(r"[\w\-]+\(\s*%?([\w.\-]+)", rest) or [None, None])[1]
+    return None
+
+
+def while_trip_count(mod: HloModule, comp: str, rest: str) -> float:
+    """How many times a ``while`` runs its body: XLA's ``known_trip_count`` when it is annotated; otherwise
+    (a loop the collective pipeliner peeled loses it) from its condition, ``induction variable < limit`` with the
+    limit a constant, and the variable's start from ``known_init_step`` or the init tuple's constant (else 0).
+    1 when neither can be read."""
+    known = _TRIP_RE.search(rest)
+    if known:
+        return float(known.group(1))
+    cond = dict(_CALLEE_RE.findall(rest)).get("condition", "")
+    body = mod.computations.get(cond, [])
+    if body and body[-1][2] == "fusion":
+        body = mod.computations.get(dict(_CALLEE_RE.findall(body[-1][3])).get("calls", ""), [])
+    if not body or body[-1][2] != "compare":
+        return 1.0
+    root = body[-1][3]
+    operands = re.findall(r"%([\w.\-]+)", root.split(")", 1)[0])
+    direction = re.search(r"direction=(\w+)", root)
+    limit = _constant(body, operands[1]) if len(operands) == 2 else None
+    if limit is None or not direction or direction.group(1) not in ("LT", "LE"):
+        return 1.0
+    init_step = re.search(r'"known_init_step"\s*:\s*\{\s*"init"\s*:\s*"(-?\d+)"\s*,\s*"step"\s*:\s*"(\d+)"', rest)
+    if init_step:
+        init, step = int(init_step.group(1)), int(init_step.group(2))
+    else:
+        tup = re.match(r"while\(\s*%?([\w.\-]+)", rest)
+        caller = mod.computations.get(comp, [])
+        tup_rest = next((r for n, _s, op, r in caller if tup and n == tup.group(1) and op == "tuple"), "")
+        first = re.match(r"tuple\(\s*%?([\w.\-]+)", tup_rest)
+        init = (_constant(caller, first.group(1)) if first else None) or 0
+        step = 1
+    span = limit - init + (1 if direction.group(1) == "LE" else 0)
+    return float(max(0, -(-span // max(step, 1))))
+
+
+def branch_computations(rest: str) -> list[str]:
+    """A ``conditional``'s branch computations, from its text after the opcode."""
+    callees = dict(_CALLEE_RE.findall(rest))
+    out = [c for lst in _LIST_CALLEE_RE.findall(rest) for c in re.findall(r"%?([\w.\-]+)", lst)]
+    return out + [c for k, c in callees.items() if k in ("true_computation", "false_computation")]
 
 
 def collectives(text: str, num_devices: int) -> list[CollectiveOp]:
@@ -292,31 +350,6 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def dot_flops(text: str, marker: str = "ragged_dot") -> dict[str, float]:
-    """Matmul FLOPs per device per step of an optimized module: every ``dot`` counts 2 x its result elements x
-    its contracted size, times how often its computation runs (loop trip counts and fusion calls multiplied).
-    ``marked``: the part whose op_name matches the regular expression ``marker`` (by default the MoE experts'
-    ragged_dot, whatever XLA lowered it to). Custom calls (Pallas kernels such as flash attention, cuBLAS calls) are not counted."""
-    mod = parse_module(text)
-    mult = mod.multipliers()
-    total = marked = 0.0
-    for comp, instrs in mod.computations.items():
-        count = mult.get(comp, 0.0)
-        shapes = {name: shape for name, shape, _op, _rest in instrs}
-        for _name, shape, opcode, rest in instrs:
-            lhs = _DOT_LHS_RE.match(rest) if opcode == "dot" and count else None
-            if lhs is None:
-                continue
-            lhs_dims = _dims(lhs.group(1) or shapes.get(lhs.group(2), ""))
-            contracting = _LHS_CONTRACTING_RE.search(rest)
-            k = np.prod([lhs_dims[int(i)] for i in contracting.group(1).split(",") if i]) if contracting else 1
-            flops = 2.0 * float(np.prod(_dims(shape))) * float(k) * count
-            total += flops
-            op_name = _OP_NAME_RE.search(rest)
-            marked += flops if op_name and re.search(marker, op_name.group(1)) else 0.0
-    return {"total": total, "marked": marked}
-
-
 def summarize(ops: Sequence[CollectiveOp]) -> dict[str, dict]:
     """Per kind: ops (static count), executions per step, result bytes and wire bytes per device per step."""
     out = {k: {"ops": 0, "executions": 0.0, "result_bytes": 0.0, "wire_bytes": 0.0} for k in KINDS}
@@ -329,62 +362,6 @@ def summarize(ops: Sequence[CollectiveOp]) -> dict[str, dict]:
     return out
 
 
-COMPUTE_OPCODES = ("fusion", "custom-call", "convolution", "dot")
-
-
-def async_overlap(text: str, kind: str = "collective-permute", marker: str = "") -> list[dict]:
-    """Each async ``<kind>-start``/``-done`` pair of a scheduled module (``is_scheduled=true``: instruction
-    order is execution order) with the compute ops the schedule places between them: those run while the
-    transfer is in flight. A pair with none between is exposed (the stream waits for the transfer).
-    ``marker``: a regular expression; ``marked_between`` lists the compute ops between whose text (op_name
-    metadata included) matches it."""
-    mod = parse_module(text)
-    pairs = []
-    for comp, instrs in mod.computations.items():
-        open_at = {}
-        for i, (name, _shape, opcode, rest) in enumerate(instrs):
-            if opcode == f"{kind}-start":
-                open_at[name] = i
-            elif opcode == f"{kind}-done":
-                operand = re.match(r"[\w\-]+\(\s*%?([\w.\-]+)", rest)
-                start = operand and operand.group(1)
-                if start in open_at:
-                    between = instrs[open_at.pop(start) + 1:i]
-                    compute = [(n, r) for n, _s, op, r in between if op in COMPUTE_OPCODES]
-                    marked = [n for n, r in compute if marker and re.search(marker, r)]
-                    pairs.append({"computation": comp, "start": start, "compute_between": [n for n, _ in compute],
-                                  "marked_between": marked})
-    return pairs
-
-
-def dot_operand_types(text: str, marker: str = "") -> dict[str, dict]:
-    """The ``dot`` instructions of an optimized module by their operands' element types, each instruction once
-    (loop bodies not multiplied): {"bf16 x bf16": {"dots": 12, "flops": ...}, "f8e4m3fn x f8e4m3fn": ...}. An FP8
-    GEMM is a dot on FP8 operands (XLA:GPU runs it as a cuBLASLt or Triton FP8 GEMM). XLA may merge dots that
-    share an operand (q, k and v), so FLOPs, not counts, say which share of the matmuls is FP8. ``marker``: only
-    the dots whose op_name matches that regular expression (e.g. the MoE experts' scope)."""
-    out: dict[str, dict] = {}
-    for instrs in parse_module(text).computations.values():
-        shapes = {name: shape for name, shape, _op, _rest in instrs}
-        for _name, shape, opcode, rest in instrs:
-            m = re.match(r"dot\(([^)]*)\)", rest) if opcode == "dot" else None
-            op_name = _OP_NAME_RE.search(rest) if m and marker else None
-            if m is None or (marker and not (op_name and re.search(marker, op_name.group(1)))):
-                continue
-            names = [x.strip().lstrip("%") for x in m.group(1).split(",")]
-            key = " x ".join(shapes.get(x, "?").split("[")[0] for x in names)
-            contracting = _LHS_CONTRACTING_RE.search(rest)
-            lhs = _dims(shapes.get(names[0], ""))
-            k = np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i]) if contracting and lhs else 1
-            entry = out.setdefault(key, {"dots": 0, "flops": 0.0})
-            entry["dots"] += 1
-            entry["flops"] += 2.0 * float(np.prod(_dims(shape))) * float(k)
-    return out
-
-
-def kernel_calls(text: str) -> dict[str, int]:
-    """Pallas kernels in an optimized module (loop bodies counted once): ``triton_calls`` (Pallas Triton custom
-    calls: their FLOPs are not among the HLO dots) and ``mosaic_calls`` (Mosaic GPU)."""
-    calls = [line for line in text.splitlines() if " custom-call(" in line]
-    return {"triton_calls": sum('custom_call_target="__gpu$xla.gpu.triton"' in line for line in calls),
-            "mosaic_calls": sum('custom_call_target="mosaic_gpu' in line for line in calls)}
+# what a module computes (dots, kernels, async overlap) lives in jaxtron/plan/hlo_counts.py
+from jaxtron.plan.hlo_counts import (COMPUTE_OPCODES, async_overlap, dot_flops, dot_operand_types,  # noqa: E402,F401
+                                     kernel_calls)

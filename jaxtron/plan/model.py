@@ -213,28 +213,42 @@ def compute_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, hw_flops: float, 
     return (hw_flops - fp8) / (gpu.peak_tflops * eff) + (fp8 / (gpu.fp8_peak_tflops * eff) if fp8 else 0.0)
 
 
-def _comm(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndarray, moe_gemm: str) -> dict:
-    """Collective seconds: exposed (critical path), overlappable, by kind; wire bytes by link. The MoE
-    dispatch's collectives carry activations (critical path); under ``grouped`` (a dispatch that keeps tokens
-    on their device) those spanning the batch axes are left out."""
+def collective_timing(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndarray,
+                      moe_gemm: str) -> list:
+    """Each collective's (op, seconds per execution, wire bytes per execution, crosses nodes, on the critical path
+    by its axes), or seconds 0 for one left out: the link's bandwidth (NVLink inside a node, the network across)
+    x ``comm_efficiency`` for its ring algorithm's wire bytes, plus ``collective_latency_us``. The MoE dispatch's
+    collectives carry activations (critical path); under ``grouped`` (a dispatch that keeps tokens on their
+    device) those spanning the batch axes are left out."""
     moe = bool(moe_layer_count(cfg.model))
     ep = moe and pmoe.expert_parallel(cfg, layout)
     own = moe and pmoe.keeps_tokens(cfg, layout)  # the dispatch's collectives are its exchanges only
-    out = {"exposed": 0.0, "overlappable": 0.0, "by_link": {"nvlink": 0.0, "network": 0.0}, "per_kind": {}}
+    out = []
     for op in ops:
         axes, cross = classify(op, layout, node_of)
         dispatch = moe and bool(pmoe.DISPATCH_COLLECTIVES.search(op.op_name)) and (
             not own or op.kind in pmoe.EXCHANGES)
         if op.wire_bytes == 0 or (dispatch and moe_gemm == "grouped" and not layout.on_critical_path(axes)):
+            out.append((op, 0.0, 0.0, cross, False))
             continue
         wire = op.wire_bytes
         if op.kind == "ragged-all-to-all" and ep:  # its buffers are the worst case; it sends the routed rows
             wire *= pmoe.ragged_sent_fraction(cfg, layout)
         bw = (gpu.net_gbps if cross else gpu.nvlink_gbps) * 1e9 * gpu.comm_efficiency
-        secs = op.count * (wire / bw + gpu.collective_latency_us * 1e-6)
+        out.append((op, wire / bw + gpu.collective_latency_us * 1e-6, wire, cross,
+                    dispatch or layout.on_critical_path(axes)))
+    return out
+
+
+def _comm(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndarray, moe_gemm: str) -> dict:
+    """Collective seconds per step: exposed (critical path by axes), overlappable, by kind; wire bytes by link."""
+    out = {"exposed": 0.0, "overlappable": 0.0, "by_link": {"nvlink": 0.0, "network": 0.0}, "per_kind": {}}
+    for op, secs, wire, cross, critical in collective_timing(cfg, layout, gpu, ops, node_of, moe_gemm):
+        if not secs:
+            continue
         out["by_link"]["network" if cross else "nvlink"] += wire * op.count
-        out["exposed" if dispatch or layout.on_critical_path(axes) else "overlappable"] += secs
-        out["per_kind"][op.kind] = out["per_kind"].get(op.kind, 0.0) + secs
+        out["exposed" if critical else "overlappable"] += secs * op.count
+        out["per_kind"][op.kind] = out["per_kind"].get(op.kind, 0.0) + secs * op.count
     return out
 
 

@@ -34,6 +34,14 @@ def _stages(cfg: Config, devices: int, context: int) -> list[int]:
     return [s for s in pm.divisors(devices) if s <= 16 and cfg.model.num_layers % s == 0]
 
 
+def _schedules(num_layers: int, stage: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) --search tries under ``stage`` > 1 stages: 1f1b, gpipe, and circular with
+    every virtual stage count from 2 to 8 that splits the layers into ``stage x virtual`` equal chunks."""
+    if stage <= 1:
+        return [("1f1b", 1)]
+    return [("1f1b", 1), ("gpipe", 1)] + [("circular", v) for v in range(2, 9) if num_layers % (v * stage) == 0]
+
+
 def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
                       remats: Sequence[str] = ("none", "save_dots", "full"),
                       fp8_recipes: Optional[Sequence[str]] = None) -> list[Config]:
@@ -59,8 +67,7 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
                 continue
             # a pipeline needs at least as many micro batches as stages
             mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16 and gbs // (dp * b) >= stage]
-            # under stages: 1f1b, and the circular schedule with 2 virtual stages where the layers split evenly
-            schedules = [("1f1b", 1)] + ([("circular", 2)] if stage > 1 and m.num_layers % (2 * stage) == 0 else [])
+            schedules = _schedules(m.num_layers, stage)
             for mbs, remat, fp8, (schedule, virtual) in itertools.product(mbs_opts, remats, fp8s, schedules):
                 c = copy.deepcopy(cfg)
                 c.model.fp8 = fp8

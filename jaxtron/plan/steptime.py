@@ -12,10 +12,13 @@ executed instruction of the compiled step is timed on its own, times how often i
   (``ATTENTION_TFLOPS``, docs/performance.md);
 * everything else that runs (fusions without a dot, copies, transposes, reductions, the other custom calls):
   its operands' and result's bytes over HBM bandwidth (``hbm_fraction`` of it);
-* collectives: as the roofline times them (link bandwidth, ring algorithms), exposed when on the critical path.
+* collectives: each transfer's link time (:func:`jaxtron.plan.model.collective_timing`), hidden or exposed as
+  XLA's schedule places it (:mod:`jaxtron.plan.schedule`: a replay of the scheduled module on a compute and a
+  communication stream).
 
-step = GEMMs + attention + memory-bound ops + exposed collectives + max(0, overlappable collectives - compute).
-The instructions run one after the other on one stream (XLA:GPU's default), so their times add.
+step = the replay's compute-stream time = GEMMs + attention + memory-bound ops + the waits at collectives.
+The attention kernels' closed-form time is shared among their calls in the HLO (forward calls their share,
+backward calls theirs), so the replay places it where the kernels run.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 from jaxtron.config import Config, head_dim
 from jaxtron.plan import hlo
 from jaxtron.plan.gemm import DEFAULTS, GemmModel, gemm_time
+from jaxtron.plan.schedule import Schedule
 
 # Flash attention forward+backward TFLOP/s (causal half counted, forward + backward = 3.5 x the forward), one
 # H100, heads 32 / kv 8 / head_dim 128, batch 2, seq 8192 (docs/performance.md, "Attention kernels"). Mosaic
@@ -187,6 +191,27 @@ class _Walk:
                 "gemm_memory_bound": float(t["bound"] == "memory"),
                 "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"]}}}
 
+    def instr(self, shape: str, opcode: str, rest: str, shapes: dict) -> dict:
+        """One executed instruction that is neither control flow nor a collective: a dot, a fusion (its GEMMs,
+        or one memory-bound op), a Pallas GEMM kernel or a memory-bound op."""
+        if opcode == "dot":
+            return self.dot(shape, rest, shapes)
+        if opcode == "fusion":
+            inner = self.comp(dict(hlo._CALLEE_RE.findall(rest)).get("calls", ""), fused=True)
+            if inner.get("gemm_count"):
+                return inner
+            return {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)}
+        st: dict = {}
+        gemm = self.kernel(shape, rest, shapes) if opcode == "custom-call" else None
+        if opcode == "custom-call":
+            target = re.search(r'custom_call_target="([^"]*)"', rest)
+            _add(st, {"custom_calls": {target.group(1) if target else "?": 1.0}})
+            kind = attention_call(rest)
+            if kind:
+                _add(st, {"attention_calls": {kind: 1.0}})
+        _add(st, gemm or {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)})
+        return st
+
     def comp(self, name: str, fused: bool = False) -> dict:
         if (name, fused) in self.memo:
             return self.memo[(name, fused)]
@@ -195,25 +220,18 @@ class _Walk:
         shapes = {n: sh for n, sh, _op, _r in instrs}
         for _n, shape, opcode, rest in instrs:
             callees = dict(hlo._CALLEE_RE.findall(rest))
-            if opcode == "dot":
-                _add(st, self.dot(shape, rest, shapes))
-            elif opcode == "fusion":
-                inner = self.comp(callees.get("calls", ""), fused=True)
-                if inner.get("gemm_count") or fused:
-                    _add(st, inner)
-                else:
-                    _add(st, {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)})
-            elif fused:
+            if fused:   # inside a fusion only its GEMMs count: the fusion's bytes are counted at its call
+                if opcode == "fusion":
+                    _add(st, self.comp(callees.get("calls", ""), fused=True))
+                elif opcode == "dot":
+                    _add(st, self.dot(shape, rest, shapes))
                 continue
-            elif opcode == "while":
-                trip = hlo._TRIP_RE.search(rest)
-                trip = float(trip.group(1)) if trip else 1.0
+            if opcode == "while":
+                trip = hlo.while_trip_count(self.mod, name, rest)
                 _add(st, self.comp(callees.get("body", "")), trip)
                 _add(st, self.comp(callees.get("condition", "")), trip + 1)
             elif opcode == "conditional":
-                branches = [c for lst in hlo._LIST_CALLEE_RE.findall(rest) for c in re.findall(r"%?([\w.\-]+)", lst)]
-                branches += [c for k, c in callees.items() if k in ("true_computation", "false_computation")]
-                runs = [self.comp(b) for b in branches]
+                runs = [self.comp(b) for b in hlo.branch_computations(rest)]
                 if runs:
                     _add(st, max(runs, key=self.seconds))
             elif opcode == "call":
@@ -221,20 +239,26 @@ class _Walk:
             elif opcode in _SKIP or _COLLECTIVE.search(opcode):
                 continue
             else:
-                gemm = self.kernel(shape, rest, shapes) if opcode == "custom-call" else None
-                if opcode == "custom-call":
-                    target = re.search(r'custom_call_target="([^"]*)"', rest)
-                    _add(st, {"custom_calls": {target.group(1) if target else "?": 1.0}})
-                _add(st, gemm or {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)})
+                _add(st, self.instr(shape, opcode, rest, shapes))
         self.memo[(name, fused)] = st
         return st
 
 
-def ops_time(text: str, gpu, model: GemmModel) -> dict:
+def attention_call(rest: str):
+    """'fwd' or 'bwd' for a custom call that is an attention kernel (Pallas Triton or Mosaic flash attention by
+    its kernel name, cuDNN's fused attention by its target), else None."""
+    target = re.search(r'custom_call_target="([^"]*)"', rest)
+    if target and target.group(1).startswith("__cudnn$fmha"):
+        return "bwd" if "Backward" in target.group(1) else "fwd"
+    name = re.search(r"flash_attention\w*", rest)
+    if not name:
+        return None
+    return "bwd" if re.search(r"bwd|dkv|_dq", name.group(0)) else "fwd"
+
+
+def ops_time(walk: "_Walk", entry: str) -> dict:
     """GEMM and memory-bound seconds of the executed instructions of an optimized module (module doc)."""
-    mod = hlo.parse_module(text)
-    walk = _Walk(mod, gpu, model)
-    st = walk.comp(mod.entry)
+    st, gpu = walk.comp(entry), walk.gpu
     gemm_s = st.get("gemm_s", 0.0)
     gemms = {"count": st.get("gemm_count", 0.0), "seconds": gemm_s, "flops": st.get("gemm_flops", 0.0),
              "memory_bound": st.get("gemm_memory_bound", 0.0), "fp8_seconds": st.get("fp8_gemm_s", 0.0),
@@ -244,7 +268,18 @@ def ops_time(text: str, gpu, model: GemmModel) -> dict:
               "seconds": st.get("mem_bytes", 0.0) / walk.bw}
     top = sorted(st.get("by_shape", {}).items(), key=lambda kv: -kv[1]["seconds"])[:8]
     return {"gemm": gemms, "gemm_top_shapes": dict(top), "memory_bound": memory,
-            "custom_calls": st.get("custom_calls", {})}
+            "custom_calls": st.get("custom_calls", {}), "attention_calls": st.get("attention_calls", {})}
+
+
+def attention_per_call(cfg: Config, total_s: float, calls: dict) -> dict:
+    """Seconds of one attention kernel call by 'fwd'/'bwd': the forward passes' share of ``total_s`` (1, or 2
+    under ``remat=full``, of 3.5 or 4.5) over the forward calls, the backward's over the backward calls."""
+    full = 1.0 if cfg.model.remat == "full" else 0.0
+    fwd, bwd = calls.get("fwd", 0.0), calls.get("bwd", 0.0)
+    if not fwd or not bwd:
+        return {k: total_s / (fwd + bwd) for k in ("fwd", "bwd")} if fwd + bwd else {}
+    share = (1.0 + full) / (3.5 + full)
+    return {"fwd": total_s * share / fwd, "bwd": total_s * (1 - share) / bwd}
 
 
 def gemm_model(gpu) -> GemmModel:
@@ -255,19 +290,28 @@ def gemm_model(gpu) -> GemmModel:
     return dataclasses.replace(model, **{k: v for k, v in over.items() if v is not None})
 
 
-def predict(cfg: Config, text: str, gpu, comm: dict, num_devices: int, model_flops_full: float) -> dict:
-    """The step-time prediction (module doc); ``comm`` is the roofline's collective timing."""
+def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, model_flops_full: float) -> dict:
+    """The step-time prediction (module doc); ``collective_s``: seconds per execution of each collective, keyed
+    by (computation, instruction name)."""
     model = gemm_model(gpu)
-    ops = ops_time(text, gpu, model)
+    mod = hlo.parse_module(text)
+    walk = _Walk(mod, gpu, model)
+    ops = ops_time(walk, mod.entry)
     attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops)
+    per_call = attention_per_call(cfg, attention_s, ops["attention_calls"])
+    schedule = Schedule(walk, collective_s, per_call)
+    replay = schedule.run(mod.entry)
+    # attention time that no call in the HLO carries (a kernel the replay does not recognise) runs serially
+    unplaced = 0.0 if per_call else attention_s
     compute = ops["gemm"]["seconds"] + attention_s + ops["memory_bound"]["seconds"]
-    step = compute + comm["exposed"] + max(0.0, comm["overlappable"] - compute)
+    step = replay["time"] + unplaced
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     return {
         "step_time_s": step, "tokens_per_s_per_gpu": tokens / step / num_devices,
         "mfu": model_flops_full / (num_devices * gpu.peak_tflops * 1e12 * step),
         "gemm_s": ops["gemm"]["seconds"], "attention_s": attention_s, "memory_bound_s": ops["memory_bound"]["seconds"],
-        "exposed_comm_s": comm["exposed"], "overlappable_comm_s": comm["overlappable"],
+        "compute_s": compute, "comm_s": replay["comm"], "exposed_comm_s": replay["exposed"],
+        "overlapped_comm_s": replay["comm"] - replay["exposed"], "longest_waits": schedule.top_waits(),
         "gemm_efficiency": ops["gemm"]["efficiency"], **ops,
         "constants": {**model.__dict__,
                       "attention_tflops": gpu.attention_tflops or ATTENTION_TFLOPS.get(cfg.model.attention_impl)},

@@ -1,0 +1,156 @@
+"""The replay of XLA's schedule (jaxtron/plan/schedule.py) on a hand-written scheduled module: an asynchronous
+transfer is exposed only for what the compute between its start and done does not cover, a synchronous one
+whole, transfers queue on one communication stream, a loop's transfer awaited in the next iteration overlaps
+across the boundary, a conditional costs its slowest branch. Each compute instruction's time comes from a timer
+that reads it off the fusion's name (``calls=%msN``: N milliseconds), so every figure below is worked by hand."""
+
+import re
+
+import pytest
+
+from jaxtron.plan import hlo
+from jaxtron.plan.schedule import Schedule
+
+MODULE = """HloModule m, is_scheduled=true
+
+%ms1 (x: f32[8]) -> f32[8] {
+  ROOT %x = f32[8] parameter(0)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %g = f32[8] get-tuple-element(%p), index=1
+  %d2 = f32[16] all-gather-done(%g)
+  %b1 = f32[8] fusion(%g), kind=kLoop, calls=%ms1
+  %s2 = (f32[8], f32[16]) all-gather-start(%b1), replica_groups={{0,1}}, dimensions={0}
+  %b2 = f32[8] fusion(%b1), kind=kLoop, calls=%ms0.5
+  ROOT %t = (s32[], f32[8]) tuple(%i, %b2)
+}
+
+%cond (q: (s32[], f32[8])) -> pred[] {
+  %q = (s32[], f32[8]) parameter(0)
+  ROOT %lt = pred[] compare(%q, %q), direction=LT
+}
+
+%fast (r: f32[8]) -> f32[8] {
+  %r = f32[8] parameter(0)
+  ROOT %f = f32[8] fusion(%r), kind=kLoop, calls=%ms1
+}
+
+%slow (u: f32[8]) -> f32[8] {
+  %u = f32[8] parameter(0)
+  ROOT %v = f32[8] fusion(%u), kind=kLoop, calls=%ms5
+}
+
+%wrapped (w: f32[8]) -> f32[8] {
+  %w = f32[8] parameter(0)
+  ROOT %a2a = f32[8] all-to-all(%w), replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8] parameter(0)
+  %s1 = (f32[8], f32[16]) all-gather-start(%a), replica_groups={{0,1}}, dimensions={0}
+  %f1 = f32[8] fusion(%a), kind=kLoop, calls=%ms2
+  %d1 = f32[16] all-gather-done(%s1)
+  %ar = f32[8] all-reduce(%f1), replica_groups={{0,1}}, to_apply=%add
+  %tup = (s32[], f32[8]) tuple(%i0, %ar)
+  %loop = (s32[], f32[8]) while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %br = f32[8] conditional(%i0, %ar, %ar), branch_computations={%fast, %slow}
+  %x1 = ((f32[8]), f32[8]) async-start(%br), calls=%wrapped
+  %x2 = ((f32[8]), f32[8]) async-start(%br), calls=%wrapped
+  %f2 = f32[8] fusion(%br), kind=kLoop, calls=%ms1
+  %y1 = f32[8] async-done(%x1)
+  ROOT %y2 = f32[8] async-done(%x2)
+}
+"""
+MS = 1e-3
+# link seconds per execution of each collective, keyed as jaxtron.plan.hlo.collectives names them
+TRANSFERS = {("main", "s1"): 3 * MS, ("main", "ar"): 4 * MS, ("body", "s2"): 2 * MS, ("wrapped", "a2a"): 2 * MS}
+
+
+class _Timer:
+    """The step model's instruction timer, reduced to reading ``calls=%msN``."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def instr(self, shape, opcode, rest, shapes):
+        m = re.search(r"calls=%ms([\d.]+)", rest)
+        return {"t": float(m.group(1)) * MS if m else 0.0}
+
+    @staticmethod
+    def seconds(st):
+        return st["t"]
+
+
+def test_the_replay_of_a_hand_written_schedule():
+    schedule = Schedule(_Timer(hlo.parse_module(MODULE)), TRANSFERS, {})
+    r = schedule.run("main")
+    # s1 (3 ms) under f1 (2 ms): 1 ms wait. ar, synchronous: 4 ms exposed (t = 7).
+    # the loop body, first replay: d2 has no start in the body (t 0), b1 1 ms, s2 from 1 to 3, b2 to 1.5:
+    # 1.5 ms in flight at the end. Second replay: d2 waits for that 1.5 ms, b1 to 2.5, s2 to 4.5, b2 to 3.0.
+    # 3 iterations: 9 ms, 4.5 ms of it waiting (t = 16). The conditional: its slow branch, 5 ms (t = 21).
+    # x1 and x2 queue on the communication stream: 21-23 and 23-25; f2 to 22, y1 waits 1, y2 waits 2 (t = 25).
+    assert r["time"] == pytest.approx(25 * MS)
+    assert r["exposed"] == pytest.approx((1 + 4 + 4.5 + 1 + 2) * MS)
+    assert r["comm"] == pytest.approx((3 + 4 + 3 * 2 + 2 + 2) * MS)
+    assert r["time"] - r["exposed"] == pytest.approx((2 + 3 * 1.5 + 5 + 1) * MS)  # the compute alone
+    waits = {(w["collective"], w["instruction"]): w["seconds"] for w in schedule.top_waits(10)}
+    assert waits[("all-reduce", "ar")] == pytest.approx(4 * MS)
+    assert waits[("async", "x2")] == pytest.approx(2 * MS)
+
+
+def test_a_transfer_with_nothing_between_start_and_done_is_exposed_whole():
+    adjacent = MODULE.replace("  %f1 = f32[8] fusion(%a), kind=kLoop, calls=%ms2\n  %d1 = f32[16] all-gather-done(%s1)",
+                              "  %d1 = f32[16] all-gather-done(%s1)\n  %f1 = f32[8] fusion(%a), kind=kLoop, calls=%ms2")
+    assert adjacent != MODULE
+    base = Schedule(_Timer(hlo.parse_module(MODULE)), TRANSFERS, {}).run("main")
+    moved = Schedule(_Timer(hlo.parse_module(adjacent)), TRANSFERS, {}).run("main")
+    assert moved["exposed"] - base["exposed"] == pytest.approx(2 * MS)  # s1's 3 ms, all of it now
+    assert moved["time"] - base["time"] == pytest.approx(2 * MS)
+
+
+PEELED = """HloModule p, is_scheduled=true
+
+%fused_compare (x: s32[]) -> pred[] {
+  %x = s32[] parameter(0)
+  %limit = s32[] constant(15)
+  ROOT %lt = pred[] compare(%x, %limit), direction=LT
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]) parameter(0)
+  %iv = s32[] get-tuple-element(%c), index=0
+  ROOT %cmp = pred[] fusion(%iv), kind=kLoop, calls=%fused_compare
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]) parameter(0)
+  %k = f32[8] fusion(%b), kind=kLoop, calls=%ms1
+  ROOT %r = (s32[], f32[8]) tuple(%b, %k)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8] parameter(0)
+  %zero = s32[] constant(0)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[8]) tuple(%start, %a)
+  ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+@pytest.mark.parametrize("edit, trips", [
+    ({}, 15),                                                   # 0 <= i < 15
+    ({"direction=LT": "direction=LE"}, 16),                    # 0 <= i <= 15
+    ({"constant(0)": "constant(3)"}, 12),                      # the start from the init tuple, through a copy
+    ({"body=%body": 'body=%body, backend_config={"known_trip_count":{"n":"7"}}'}, 7),  # XLA's annotation wins
+])
+def test_a_loop_without_xlas_trip_count_takes_it_from_its_condition(edit, trips):
+    """XLA's collective pipeliner peels a loop and drops its known_trip_count; the condition still says it."""
+    text = PEELED
+    for old, new in edit.items():
+        text = text.replace(old, new)
+    mod = hlo.parse_module(text)
+    assert mod.multipliers()["body"] == trips
+    assert Schedule(_Timer(mod), {}, {}).run("main")["time"] == pytest.approx(trips * MS)
