@@ -81,3 +81,31 @@ def test_xla_gpu_compiles_the_ragged_all_to_all_dispatch_with_the_pallas_grouped
     ragged = r["collectives"]["ragged-all-to-all"]
     assert ragged["ops"] >= 3, r["collectives"]  # rows, slot ids and results forward; their transposes
     assert r["moe"]["expert_matmul_flops_per_device"]["as_compiled_hlo"] == 0  # custom calls, not HLO dots
+
+
+def test_an_exchange_across_two_nodes_sends_only_its_off_node_share_over_the_network():
+    """An all-to-all over 16 devices in 2 nodes of 8: each device sends 1/16 of its buffer to each peer, 8 of
+    its 15 peers on the other node, so 8/15 of its wire bytes take the network while 7/15 take NVLink at the
+    same time; an all-gather over the same devices is a ring whose every step crosses the network."""
+    import numpy as np
+
+    from jaxtron.plan import hlo
+
+    cfg = config_lib.load(None, MOE + ["parallel.expert=4", "parallel.fsdp=4"])
+    layout = Layout.planned(cfg, 16)
+    gpu = get_gpu("h100")
+    node_of = np.arange(16) // 8
+    group = np.arange(16)[None]
+    mib = 2.0**20
+    ops = [hlo.CollectiveOp("x", kind, "c", 16 * mib, 16, 1.0, group) for kind in ("all-to-all", "all-gather")]
+    (a2a, secs, net, nvl, _), (ag, ag_secs, ag_net, ag_nvl, _) = pm.collective_timing(cfg, layout, gpu, ops,
+                                                                                       node_of, "as_compiled")
+    wire = 16 * mib * 15 / 16
+    assert (net, nvl) == pytest.approx((wire * 8 / 15, wire * 7 / 15))
+    bw = 1e9 * gpu.comm_efficiency
+    assert secs == pytest.approx(max(net / (gpu.net_gbps * bw), nvl / (gpu.nvlink_gbps * bw))
+                                 + gpu.collective_latency_us * 1e-6)
+    assert (ag_net, ag_nvl) == (wire, 0.0) and ag_secs > secs
+    # inside one node nothing crosses the network
+    (_, _, net1, nvl1, _), _ = pm.collective_timing(cfg, layout, gpu, ops, np.zeros(16, int), "as_compiled")
+    assert (net1, nvl1) == (0.0, pytest.approx(wire))

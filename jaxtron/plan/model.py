@@ -215,9 +215,11 @@ def compute_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, hw_flops: float, 
 
 def collective_timing(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndarray,
                       moe_gemm: str) -> list:
-    """Each collective's (op, seconds per execution, wire bytes per execution, crosses nodes, on the critical path
-    by its axes), or seconds 0 for one left out: the link's bandwidth (NVLink inside a node, the network across)
-    x ``comm_efficiency`` for its ring algorithm's wire bytes, plus ``collective_latency_us``. The MoE dispatch's
+    """Each collective's (op, seconds per execution, wire bytes per execution over the network and over NVLink,
+    on the critical path by its axes), or seconds 0 for one left out: the link's bandwidth (NVLink inside a node,
+    the network across) x ``comm_efficiency`` for its algorithm's wire bytes (a ring spanning nodes at the
+    network's; an all-to-all's off-node share over the network beside its on-node share over NVLink), plus
+    ``collective_latency_us``. The MoE dispatch's
     collectives carry activations (critical path); under ``grouped`` (a dispatch that keeps tokens on their
     device) those spanning the batch axes are left out."""
     moe = bool(moe_layer_count(cfg.model))
@@ -229,24 +231,40 @@ def collective_timing(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node
         dispatch = moe and bool(pmoe.DISPATCH_COLLECTIVES.search(op.op_name)) and (
             not own or op.kind in pmoe.EXCHANGES)
         if op.wire_bytes == 0 or (dispatch and moe_gemm == "grouped" and not layout.on_critical_path(axes)):
-            out.append((op, 0.0, 0.0, cross, False))
+            out.append((op, 0.0, 0.0, 0.0, False))
             continue
         wire = op.wire_bytes
         if op.kind == "ragged-all-to-all" and ep:  # its buffers are the worst case; it sends the routed rows
             wire *= pmoe.ragged_sent_fraction(cfg, layout)
-        bw = (gpu.net_gbps if cross else gpu.nvlink_gbps) * 1e9 * gpu.comm_efficiency
-        out.append((op, wire / bw + gpu.collective_latency_us * 1e-6, wire, cross,
-                    dispatch or layout.on_critical_path(axes)))
+        # a ring crosses the network at every step when it spans nodes; an exchange sends each peer its share,
+        # the other nodes' over the network while the node's own go over NVLink at the same time
+        remote = (_remote_share(op, node_of) if op.kind in pmoe.EXCHANGES else 1.0) if cross else 0.0
+        net, nvl = wire * remote, wire * (1.0 - remote)
+        eff = 1e9 * gpu.comm_efficiency
+        secs = max(net / (gpu.net_gbps * eff), nvl / (gpu.nvlink_gbps * eff)) + gpu.collective_latency_us * 1e-6
+        out.append((op, secs, net, nvl, dispatch or layout.on_critical_path(axes)))
     return out
+
+
+def _remote_share(op, node_of: np.ndarray) -> float:
+    """Of what one device sends in an all-to-all (an equal share to each of its n - 1 peers), the largest part
+    that goes to other nodes: the peers off its node over n - 1."""
+    groups = op.groups if op.groups is not None else np.arange(len(node_of))[None]
+    worst = 0
+    for grp in groups:
+        nodes = node_of[[g for g in grp if 0 <= g < len(node_of)]]
+        worst = max([worst] + [int((nodes != nd).sum()) for nd in set(nodes.tolist())])
+    return worst / max(op.group_size - 1, 1)
 
 
 def _comm(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndarray, moe_gemm: str) -> dict:
     """Collective seconds per step: exposed (critical path by axes), overlappable, by kind; wire bytes by link."""
     out = {"exposed": 0.0, "overlappable": 0.0, "by_link": {"nvlink": 0.0, "network": 0.0}, "per_kind": {}}
-    for op, secs, wire, cross, critical in collective_timing(cfg, layout, gpu, ops, node_of, moe_gemm):
+    for op, secs, net, nvl, critical in collective_timing(cfg, layout, gpu, ops, node_of, moe_gemm):
         if not secs:
             continue
-        out["by_link"]["network" if cross else "nvlink"] += wire * op.count
+        out["by_link"]["network"] += net * op.count
+        out["by_link"]["nvlink"] += nvl * op.count
         out["exposed" if critical else "overlappable"] += secs * op.count
         out["per_kind"][op.kind] = out["per_kind"].get(op.kind, 0.0) + secs * op.count
     return out
