@@ -12,13 +12,16 @@ still run):
 2. ``attention`` (GPU): flash attention (Triton, Mosaic) against cuDNN and XLA at seq 4096 and 8192, plain
    and packed (``bench_kernels.py``; causal FLOPs, see its docstring).
 3. ``grouped-matmul`` (GPU): the MoE grouped matmul against ``ragged_dot`` (``bench_kernels.py --gmm``);
-   ``fp8-gemm`` (GPU): Llama-3-8B's projection GEMMs in bf16 and each FP8 recipe (``--fp8``).
+   ``fp8-gemm`` (GPU): Llama-3-8B's projection GEMMs in bf16 and each FP8 recipe (``--fp8``);
+   ``gemm-table`` (GPU; ``--tiny``: its small-shape CPU path): ``scripts/gemm_table.py``, bf16 and FP8 GEMMs
+   of the Llama projections' shapes, written as ``gemm_table.json``: the planner's measured GEMM table.
 4. ``train/<model>/<fp8>``: ``scripts/bench_train.py`` on one device for a Llama-3.2-1B-shaped model and a
    Llama-3-8B-shaped model with 4 layers (seq 4096), in bf16 and each ``model.fp8`` recipe: tokens/s, MFU
    (full and causal attention FLOPs, against the bf16 peak), compiled and device memory. On CPU (``--tiny``)
    the tiny default model runs instead, for 2 steps.
 5. ``plan/<model>/<fp8>``: ``python -m jaxtron.plan`` for the same run on one GPU of the same kind (an
-   XLA:GPU ahead-of-time compile: a prediction), beside the measurement. Needs the CUDA compiler plugin.
+   XLA:GPU ahead-of-time compile: a prediction, its step model with the GEMM table just measured), beside the
+   measurement. Needs the CUDA compiler plugin.
 
 GPU parts on a machine without a GPU are recorded as skipped with the reason. ``report.json`` holds every
 part's command, status, seconds and parsed output; ``report.md`` the tables. Put its figures in
@@ -105,6 +108,13 @@ def parts(args, platform: str, kind: str) -> list[dict]:
                  ("fp8-gemm", kernels + ["--fp8"])]
     for name, argv in gpu_parts:
         out.append(run_part(name, argv, args.timeout) if platform == "gpu" else skipped(name, no_gpu))
+    # the GEMM table: measured on a GPU and handed to the planner parts below; --tiny on CPU runs the script's
+    # small-shape path (a CPU's GEMMs say nothing of a GPU's, so the planner does not take that table)
+    table = os.path.join(args.out, "gemm_table.json")
+    gemm = [py, "scripts/gemm_table.py", "--out", table] + (["--tiny"] if args.tiny else [])
+    out.append(run_part("gemm-table", gemm, args.timeout) if platform == "gpu" or args.tiny
+               else skipped("gemm-table", no_gpu))
+    measured = ["--gemm-table", table] if platform == "gpu" and out[-1]["status"] == "ok" else []
     models = TINY if args.tiny else MODELS
     steps = ["--steps", "2", "--warmup", "0"] if args.tiny else ["--steps", "10", "--warmup", "2"]
     gpu = _gpu_name(kind) or "h100"
@@ -115,7 +125,7 @@ def parts(args, platform: str, kind: str) -> list[dict]:
             out.append(run_part(f"train/{model}/{fp8}", [py, "scripts/bench_train.py", "--json", *steps, *run],
                                 args.timeout))
             plan = run_part(f"plan/{model}/{fp8}", [py, "-m", "jaxtron.plan", "--json", "--gpu", gpu,
-                                                    "--num-gpus", "1", *run], args.timeout)
+                                                    "--num-gpus", "1", *measured, *run], args.timeout)
             if plan["status"] == "failed" and "plugin" in plan.get("stderr_tail", ""):  # no XLA:GPU compiler
                 plan = skipped(plan["part"], _note(plan))
             out.append(plan)
@@ -162,13 +172,14 @@ def markdown(report: dict) -> str:
             continue
         _, model, fp8 = p["part"].split("/")
         r = p.get("result") or {}
-        plan = (by.get(f"plan/{model}/{fp8}", {}).get("result") or {}).get("roofline") or {}
+        planned = by.get(f"plan/{model}/{fp8}", {}).get("result") or {}
+        plan, roof = planned.get("step_model") or {}, planned.get("roofline") or {}
         measured, predicted = r.get("tokens_per_s_per_device"), plan.get("tokens_per_s_per_gpu")
         train.append({"model": model, "fp8": fp8, "status": p["status"], "tokens/s/GPU": measured,
                       "MFU full": r.get("mfu_full"), "MFU causal": r.get("mfu_causal"),
                       "compiled temp GiB": (r.get("compiled_temp_bytes") or 0) / 2**30 or None,
                       "device peak GiB": r.get("device_peak_gib"), "planner tokens/s/GPU": predicted,
-                      "planner MFU": plan.get("mfu"),
+                      "planner MFU": plan.get("mfu"), "roofline tokens/s/GPU": roof.get("tokens_per_s_per_gpu"),
                       "measured / predicted": measured / predicted if measured and predicted else None})
     if train:
         md += ["", "## Training steps (one GPU; MFU against the bf16 peak, attention FLOPs counted whole "

@@ -24,6 +24,10 @@ def test_gpu_report_on_cpu_with_the_tiny_model(tmp_path):
     assert report["environment"]["platform"] == "cpu"
     for name in ("kernel-check", "attention", "grouped-matmul", "fp8-gemm"):
         assert parts[name]["status"] == "skipped" and "needs a GPU" in parts[name]["reason"]
+    # the GEMM table's small-shape path runs; a CPU's table is not handed to the planner for a GPU
+    assert parts["gemm-table"]["status"] == "ok" and parts["gemm-table"]["result"]["entries"] > 0
+    assert json.loads((tmp_path / "gemm_table.json").read_text())["platform"] == "cpu"
+    assert all("--gemm-table" not in p.get("command", "") for p in report["parts"] if p["part"].startswith("plan/"))
     for fp8 in ("none", "delayed"):
         train = parts[f"train/tiny/{fp8}"]
         assert train["status"] == "ok", train

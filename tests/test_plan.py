@@ -226,7 +226,8 @@ def test_roofline_is_sane():
 
 def _cli(*args, timeout=400, xla_flags=""):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["XLA_FLAGS"] = f"{FAST_COMPILE} {xla_flags}"  # the memory analysis and the HLO do not depend on LLVM's optimization
+    # the memory analysis and the HLO do not depend on LLVM's optimization
+    env["XLA_FLAGS"] = f"{FAST_COMPILE} {xla_flags}"
     proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", "--json", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]

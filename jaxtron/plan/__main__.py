@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--hbm-fraction", type=float, help="of HBM bandwidth a streaming kernel reaches (0.90)")
     sm.add_argument("--attention-tflops", type=float, help="the attention kernel's forward+backward TFLOP/s "
                                                              "(causal half counted; default: measured per impl)")
+    sm.add_argument("--gemm-table", help="a GEMM table measured by scripts/gemm_table.py: GEMMs at the measured "
+                                         "efficiency of the nearest shape (default: jaxtron/plan/gemm_tables/<gpu>"
+                                         ".json if committed, else the GEMM model)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. parallel.tensor=8")
     return p
 
@@ -213,7 +216,10 @@ def main(argv=None) -> int:
             comm_efficiency=args.comm_efficiency, collective_latency_us=args.collective_latency_us,
             mem_fraction=args.mem_fraction, gemm_peak_fraction=args.gemm_peak_fraction,
             gemm_fp8_peak_fraction=args.gemm_fp8_peak_fraction, hbm_fraction=args.hbm_fraction,
-            attention_tflops=args.attention_tflops)
+            attention_tflops=args.attention_tflops, gemm_table=args.gemm_table)
+        if args.gemm_table:  # before any compile: a bad table is a one-line error at once
+            from jaxtron.plan.gemm import load_table
+            load_table(args.gemm_table)
         if args.search:
             log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
             out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,

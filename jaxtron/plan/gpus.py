@@ -52,6 +52,7 @@ class GpuSpec:
     gemm_fp8_peak_fraction: Optional[float] = None
     hbm_fraction: Optional[float] = None
     attention_tflops: Optional[float] = None
+    gemm_table: Optional[str] = None   # a measured GEMM table (scripts/gemm_table.py) instead of the GEMM model's
 
     @property
     def target_config_path(self) -> str:

@@ -30,8 +30,8 @@ import re
 
 from jaxtron.plan import hlo
 
-_DONE = re.compile(r"^(all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute|async)-done$")
-_START = re.compile(r"^(all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute|async)-start$")
+_ASYNC = r"^(all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute|async)"
+_DONE, _START = re.compile(_ASYNC + "-done$"), re.compile(_ASYNC + "-start$")
 _IGNORE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
            "replica-id", "opt-barrier", "add-dependency", "domain", "async-update", "copy-start", "copy-done",
            "send", "recv", "send-done", "recv-done"}
@@ -133,7 +133,8 @@ class Schedule:
         """The collectives the compute stream waits for longest per step: kind, what JAX op they serve, seconds
         (a branch's waits counted as if every branch ran)."""
         mult = self.mod.multipliers()
-        instr = {(c, name): (opcode, rest) for c, lst in self.mod.computations.items() for name, _s, opcode, rest in lst}
+        instr = {(c, name): (opcode, rest) for c, lst in self.mod.computations.items()
+                 for name, _s, opcode, rest in lst}
         out = []
         for (comp, name), secs in self.waits.items():
             if secs <= 0:

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxtron.config import Config, head_dim
 from jaxtron.plan import hlo
-from jaxtron.plan.gemm import DEFAULTS, GemmModel, gemm_time
+from jaxtron.plan.gemm import DEFAULTS, GemmModel, default_table, gemm_time, load_table
 from jaxtron.plan.schedule import Schedule
 
 # Flash attention forward+backward TFLOP/s (causal half counted, forward + backward = 3.5 x the forward), one
@@ -137,7 +137,7 @@ def _add(acc: dict, other: dict, factor: float = 1.0) -> None:
     for k, v in other.items():
         if isinstance(v, dict):
             _add(acc.setdefault(k, {}), v, factor)
-        elif k == "efficiency":
+        elif k == "efficiency" or isinstance(v, str):
             acc[k] = v
         else:
             acc[k] = acc.get(k, 0.0) + factor * v
@@ -166,7 +166,8 @@ class _Walk:
         key = f"{batch}x{m}x{n}x{k}" + (" fp8" if fp8 else "")
         return {"gemm_count": 1.0, "gemm_s": t["seconds"], "gemm_flops": 2.0 * batch * m * n * k,
                 "fp8_gemm_s": t["seconds"] if fp8 else 0.0, "gemm_memory_bound": float(t["bound"] == "memory"),
-                "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"]}}}
+                "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"],
+                                 "source": t["source"]}}}
 
     def kernel(self, shape: str, rest: str, shapes: dict):
         """A Pallas GEMM kernel's stats as a GEMM of its (m, n, k), or None for any other custom call."""
@@ -189,7 +190,8 @@ class _Walk:
         return {"gemm_count": 1.0, "gemm_s": t["seconds"], "gemm_flops": 2.0 * m * n * k, "kernel_gemm_flops":
                 2.0 * m * n * k, "fp8_gemm_s": t["seconds"] if fp8 else 0.0,
                 "gemm_memory_bound": float(t["bound"] == "memory"),
-                "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"]}}}
+                "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"],
+                                 "source": t["source"]}}}
 
     def instr(self, shape: str, opcode: str, rest: str, shapes: dict) -> dict:
         """One executed instruction that is neither control flow nor a collective: a dot, a fusion (its GEMMs,
@@ -287,6 +289,9 @@ def gemm_model(gpu) -> GemmModel:
     model = DEFAULTS.get(gpu.name, GemmModel())
     over = {"peak_fraction": gpu.gemm_peak_fraction, "fp8_peak_fraction": gpu.gemm_fp8_peak_fraction,
             "hbm_fraction": gpu.hbm_fraction}
+    table = gpu.gemm_table or default_table(gpu.name)
+    if table:
+        over.update(table=load_table(table), table_source=table)
     return dataclasses.replace(model, **{k: v for k, v in over.items() if v is not None})
 
 
@@ -313,6 +318,6 @@ def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, m
         "compute_s": compute, "comm_s": replay["comm"], "exposed_comm_s": replay["exposed"],
         "overlapped_comm_s": replay["comm"] - replay["exposed"], "longest_waits": schedule.top_waits(),
         "gemm_efficiency": ops["gemm"]["efficiency"], **ops,
-        "constants": {**model.__dict__,
+        "constants": {**{k: v for k, v in model.__dict__.items() if k != "table"}, "table_points": len(model.table),
                       "attention_tflops": gpu.attention_tflops or ATTENTION_TFLOPS.get(cfg.model.attention_impl)},
     }
