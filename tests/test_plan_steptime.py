@@ -113,16 +113,23 @@ def test_pipelined_step_compiles_with_the_kernels_and_counts_its_schedule():
 
 
 @needs_xla_gpu
-def test_search_compiles_and_ranks_pipelined_layouts_by_the_step_model():
-    """16 H100s in 2 nodes with a 0.5 GB/s network: --search compiles each stage count's best candidate, so
-    pipelined layouts are judged by the step model and proposed beside the others, each compiled and fitting,
-    in the step model's order."""
-    r = _cli("--gpu", "h100", "--num-gpus", "16", "--net-gbps", "0.5", "--search", "--max-compiles", "4",
-             "--top", "3", *SMALL, "train.global_batch_size=64", timeout=600)
+def test_search_proposes_a_pipeline_first_when_the_step_model_predicts_it_fastest():
+    """16 H100s in 2 nodes joined by a 0.05 GB/s network, a model whose weights outweigh its activations
+    (hidden 1024, seq 64): any layout with a batch axis across the nodes reduces gradients over that network,
+    while stages across the nodes send only activations. --search compiles each stage count's best candidate,
+    ranks by the step model, and proposes a pipelined layout first, ahead of the best stage-1 layout it also
+    compiled; every proposed layout fits."""
+    wide = ["model.hidden_size=1024", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=4",
+            "model.intermediate_size=4096", "model.vocab_size=256", "model.dtype=bfloat16", "data.seq_len=64",
+            "train.global_batch_size=64"]
+    r = _cli("--gpu", "h100", "--num-gpus", "16", "--net-gbps", "0.05", "--search", "--max-compiles", "4",
+             "--top", "3", *wide, timeout=600)
     assert len(r["top"]) == 3 and all(t["memory"]["fits"] for t in r["top"]), r
-    assert any(t["mesh"]["stage"] > 1 for t in r["top"]), [t["overrides"] for t in r["top"]]
     times = [t["step_model"]["step_time_s"] for t in r["top"]]
     assert times == sorted(times)
+    assert r["top"][0]["mesh"]["stage"] > 1, [t["overrides"] for t in r["top"]]
+    flat = [t for t in r["top"] if t["mesh"]["stage"] == 1]
+    assert flat and flat[0]["step_model"]["step_time_s"] > 1.2 * times[0]
 
 
 @needs_xla_gpu
