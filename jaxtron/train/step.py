@@ -17,6 +17,7 @@ from jaxtron.parallel.stages import BATCH_AXES, pipelined_loss, pipelined_value_
 from jaxtron.train.flops import moe_layer_count
 from jaxtron.train.loss import cross_entropy_sums
 from jaxtron.train.state import ModelSpec
+from jaxtron.train.xla_options import compiler_options
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -160,7 +161,8 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(layout)),
-                   out_shardings=(spec.state_shardings, None), donate_argnums=(0,))
+                   out_shardings=(spec.state_shardings, None), donate_argnums=(0,),
+                   compiler_options=compiler_options(cfg))
 
 
 def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
@@ -181,4 +183,5 @@ def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
             (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), split_micro(batch, layout.accumulation_steps))
             return {"loss_sum": ce, "tokens": n}
 
-    return jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding(layout)))
+    return jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding(layout)),
+                   compiler_options=compiler_options(cfg))
