@@ -98,6 +98,19 @@ def test_attention_kernels_are_timed_at_their_measured_rate():
 
 
 @needs_xla_gpu
+def test_cudnn_attention_is_timed_at_cudnns_rate_though_compiled_as_its_pallas_stand_in():
+    """Without cuDNN's libraries the compile puts jaxtron's Pallas flash attention in cuDNN's place; the step
+    model still times the attention calls at the rate of the kernel the cluster runs."""
+    args = ("--gpu", "h100", "--num-gpus", "1", *SMALL, "data.seq_len=256", "parallel.fsdp=1", "parallel.data=1")
+    cudnn, pallas = (_cli(*args, f"model.attention_impl={impl}")["step_model"] for impl in ("cudnn", "pallas"))
+    assert cudnn["constants"]["attention_impl"] == "cudnn" and pallas["constants"]["attention_impl"] == "pallas"
+    assert cudnn["gemm_s"] == pytest.approx(pallas["gemm_s"])  # the same program
+    ratio = steptime.ATTENTION_TFLOPS["pallas"] / steptime.ATTENTION_TFLOPS["cudnn"]
+    assert cudnn["attention_s"] == pytest.approx(pallas["attention_s"] * ratio)
+    assert cudnn["step_time_s"] < pallas["step_time_s"]
+
+
+@needs_xla_gpu
 def test_pipelined_step_compiles_with_the_kernels_and_counts_its_schedule():
     """parallel.stage=2 plans (1f1b): the stages run the Triton flash kernel, not its interpreter (the platform
     is the compile target's inside the pipeline's shard_map too), and the step model counts the schedule: more

@@ -238,6 +238,14 @@ def flops_report(cfg: Config, roof: dict, hlo_matmul_flops: float, num_devices: 
     }
 
 
+def _attention_run(cfg: Config, compiled: Config) -> Optional[str]:
+    """The attention kernel the cluster runs, where the compile put a stand-in kernel in its place (cuDNN as
+    Pallas flash attention); None where the compile runs attention as GEMMs (the CPU compile's xla)."""
+    if compiled.model.attention_impl in steptime.ATTENTION_TFLOPS:
+        return cfg.model.attention_impl
+    return None
+
+
 def _collective_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gemm: str) -> dict:
     """Each collective's link seconds per execution, keyed by (computation, name), for the step model."""
     if node_of is None:
@@ -297,7 +305,7 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
                           for ps in [hlo.async_overlap(text, kind)] if ps},
         "roofline": roof,
         "step_model": steptime.predict(ccfg, text, gpu, _collective_seconds(ccfg, layout, gpu, ops, node_of, moe_gemm),
-                                       len(devices), roof["model_flops_per_step"]),
+                                       len(devices), roof["model_flops_per_step"], _attention_run(cfg, ccfg)),
         "hardware": {"peak_tflops": gpu.peak_tflops, "fp8_peak_tflops": gpu.fp8_peak_tflops, "hbm_gbps": gpu.hbm_gbps,
                      "nvlink_gbps": gpu.nvlink_gbps,
                      "net_gbps": gpu.net_gbps, "gpus_per_node": gpu.gpus_per_node,

@@ -121,10 +121,11 @@ def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float
     return sum(reads) + hlo.shape_bytes(body_shapes.get(update, ""))
 
 
-def attention_seconds(cfg: Config, num_devices: int, tflops: Optional[float] = None) -> float:
+def attention_seconds(cfg: Config, num_devices: int, tflops: Optional[float] = None,
+                      impl: Optional[str] = None) -> float:
     """The attention kernels' time per device per step, when they are custom calls (module doc); ``tflops``
     overrides the measured rate."""
-    m, impl = cfg.model, cfg.model.attention_impl
+    m, impl = cfg.model, impl or cfg.model.attention_impl
     if impl not in ATTENTION_TFLOPS:
         return 0.0
     s = cfg.data.seq_len
@@ -295,14 +296,18 @@ def gemm_model(gpu) -> GemmModel:
     return dataclasses.replace(model, **{k: v for k, v in over.items() if v is not None})
 
 
-def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, model_flops_full: float) -> dict:
+def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, model_flops_full: float,
+            attention_impl: Optional[str] = None) -> dict:
     """The step-time prediction (module doc); ``collective_s``: seconds per execution of each collective, keyed
-    by (computation, instruction name)."""
+    by (computation, instruction name); ``attention_impl``: the kernel the cluster runs, when the compile had to
+    put another in its place (cuDNN is compiled as Pallas flash attention without cuDNN's libraries): its
+    measured rate times the attention calls."""
     model = gemm_model(gpu)
     mod = hlo.parse_module(text)
     walk = _Walk(mod, gpu, model)
     ops = ops_time(walk, mod.entry)
-    attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops)
+    impl = attention_impl or cfg.model.attention_impl
+    attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops, impl)
     per_call = attention_per_call(cfg, attention_s, ops["attention_calls"])
     schedule = Schedule(walk, collective_s, per_call)
     replay = schedule.run(mod.entry)
@@ -319,5 +324,5 @@ def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, m
         "overlapped_comm_s": replay["comm"] - replay["exposed"], "longest_waits": schedule.top_waits(),
         "gemm_efficiency": ops["gemm"]["efficiency"], **ops,
         "constants": {**{k: v for k, v in model.__dict__.items() if k != "table"}, "table_points": len(model.table),
-                      "attention_tflops": gpu.attention_tflops or ATTENTION_TFLOPS.get(cfg.model.attention_impl)},
+                      "attention_impl": impl, "attention_tflops": gpu.attention_tflops or ATTENTION_TFLOPS.get(impl)},
     }
