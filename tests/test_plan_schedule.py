@@ -154,3 +154,41 @@ def test_a_loop_without_xlas_trip_count_takes_it_from_its_condition(edit, trips)
     mod = hlo.parse_module(text)
     assert mod.multipliers()["body"] == trips
     assert Schedule(_Timer(mod), {}, {}).run("main")["time"] == pytest.approx(trips * MS)
+
+
+SLICED = """HloModule s, is_scheduled=true
+
+%fused (p0: f32[48,64,32], p1: s32[]) -> f8e4m3fn[1,64,32] {
+  %p0 = f32[48,64,32] parameter(0)
+  %view = f32[48,2048] bitcast(%p0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %one = f32[1,2048] dynamic-slice(%view, %p1, %zero), dynamic_slice_sizes={1,2048}
+  %back = f32[1,64,32] bitcast(%one)
+  ROOT %q = f8e4m3fn[1,64,32] convert(%back)
+}
+
+ENTRY %main (w: f32[48,64,32], i: s32[]) -> f8e4m3fn[1,64,32] {
+  %w = f32[48,64,32] parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %f = f8e4m3fn[1,64,32] fusion(%w, %i), kind=kLoop, calls=%fused
+}
+"""
+
+
+@pytest.mark.parametrize("use, read", [("%view", 2048 * 4), ("%p0", 48 * 2048 * 4)])
+def test_a_fusion_that_slices_a_stacked_operand_through_a_bitcast_reads_the_slice(use, read):
+    """One layer's weights quantized out of the scan's stacked fp32 weights: the fusion reads the 8 KiB slice,
+    not the 384 KiB stack, though a bitcast stands between the parameter and the slice. Used whole as well
+    (``%p0`` sliced directly *and* converted whole), it is read whole."""
+    from jaxtron.plan import steptime
+
+    text = SLICED if use == "%view" else SLICED.replace(
+        "ROOT %q = f8e4m3fn[1,64,32] convert(%back)",
+        "%whole = f8e4m3fn[48,64,32] convert(%p0)\n  ROOT %q = f8e4m3fn[1,64,32] convert(%back)")
+    mod = hlo.parse_module(text)
+    instrs = mod.computations["main"]
+    shapes = {n: s for n, s, _o, _r in instrs}
+    _n, shape, opcode, rest = instrs[-1]
+    moved = steptime._moved_bytes(mod, opcode, rest, shape, shapes)
+    assert moved == read + 4 + 64 * 32  # the slice or the stack, the index, the FP8 result

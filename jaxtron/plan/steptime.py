@@ -87,13 +87,28 @@ def _fusion_reads(body: list, sizes: list[float]) -> list[float]:
             params[name] = int(m.group(1))
     users: dict = defaultdict(list)
     for name, shape, opcode, rest in body:
-        for o in _operands(rest):
-            if o in params:
-                users[o].append((opcode, shape))
+        for position, o in enumerate(_operands(rest)):
+            users[o].append((name, opcode, shape, position))
+
+    def sliced(name: str, depth: int = 0):
+        """Bytes read of ``name`` if every use of it slices it (through bitcasts and reshapes, which are views
+        of the same bytes), else None."""
+        if not users[name] or depth > 4:
+            return None
+        total = 0.0
+        for user, opcode, shape, position in users[name]:  # a slice's index operands are read whole
+            part = hlo.shape_bytes(shape) if opcode in _SLICES and position == 0 else (
+                sliced(user, depth + 1) if opcode in ("bitcast", "reshape") else None)
+            if part is None:
+                return None
+            total += part
+        return total
+
     reads = list(sizes)
     for name, i in params.items():
-        if i < len(reads) and users[name] and all(op in _SLICES for op, _s in users[name]):
-            reads[i] = sum(hlo.shape_bytes(s) for _op, s in users[name])
+        part = sliced(name) if i < len(reads) else None
+        if part is not None:
+            reads[i] = part
     return reads
 
 
