@@ -112,16 +112,26 @@ def _print_plan(r: dict) -> None:
           f"{h['comm_efficiency']}, {h['collective_latency_us']:.0f} us per collective")
     sm = r.get("step_model")
     if sm:
-        print("\nstep model (op by op from the optimized HLO; jaxtron/plan/steptime.py)")
-        print(f"  GEMMs {sm['gemm_s']:.3f} s ({sm['gemm']['count']:.0f} runs at {sm['gemm_efficiency']:.1%} of the bf16 "
-              f"peak), attention kernels {sm['attention_s']:.3f} s, memory-bound ops {sm['memory_bound_s']:.3f} s "
-              f"({sm['memory_bound']['ops']:.0f} runs)")
-        print(f"  collectives {sm['comm_s']:.3f} s on the wire: {sm['exposed_comm_s']:.3f} s exposed, "
-              f"{sm['overlapped_comm_s']:.3f} s under compute (XLA's schedule replayed; jaxtron/plan/schedule.py)")
-        print(f"  step time {sm['step_time_s']:.3f} s, {sm['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {sm['mfu']:.1%} "
-              "(full attention FLOPs): a prediction")
+        _print_step_model(sm)
     for n in r["notes"]:
         print(f"note: {n}")
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3f} s" if x >= 0.1 else f"{x * 1e3:.3f} ms"
+
+
+def _print_step_model(sm: dict) -> None:
+    print("\nstep model (op by op from the optimized HLO; jaxtron/plan/steptime.py)")
+    print(f"  GEMMs {_secs(sm['gemm_s'])} ({sm['gemm']['count']:.0f} runs at {sm['gemm_efficiency']:.1%} of the bf16 "
+          f"peak), attention kernels {_secs(sm['attention_s'])}, memory-bound ops {_secs(sm['memory_bound_s'])} "
+          f"({sm['memory_bound']['ops']:.0f} runs)")
+    print(f"  collectives {_secs(sm['comm_s'])} on the wire: {_secs(sm['exposed_comm_s'])} exposed, "
+          f"{_secs(sm['overlapped_comm_s'])} under compute (XLA's schedule replayed; jaxtron/plan/schedule.py)")
+    for w in sm.get("longest_waits", [])[:3]:
+        print(f"    waits {_secs(w['seconds'])} per step on {w['collective']} {w['instruction']} ({w['op'] or '?'})")
+    print(f"  step time {_secs(sm['step_time_s'])}, {sm['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {sm['mfu']:.1%} "
+          "(full attention FLOPs): a prediction")
 
 
 def _count(n: float) -> str:
