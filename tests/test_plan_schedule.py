@@ -192,3 +192,11 @@ def test_a_fusion_that_slices_a_stacked_operand_through_a_bitcast_reads_the_slic
     _n, shape, opcode, rest = instrs[-1]
     moved = steptime._moved_bytes(mod, opcode, rest, shape, shapes)
     assert moved == read + 4 + 64 * 32  # the slice or the stack, the index, the FP8 result
+
+
+def test_a_loop_whose_trip_count_cannot_be_read_is_listed():
+    """A condition the fallback cannot read (the limit is not a constant) counts the loop once, and says so."""
+    unreadable = PEELED.replace("%limit = s32[] constant(15)", "%limit = s32[] parameter(1)")
+    mod = hlo.parse_module(unreadable)
+    assert mod.multipliers()["body"] == 1 and hlo.unknown_trip_counts(mod) == ["w"]
+    assert hlo.unknown_trip_counts(hlo.parse_module(PEELED)) == []

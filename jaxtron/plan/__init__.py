@@ -282,6 +282,10 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     roof = pm.roofline(ccfg, layout, gpu, ops, len(devices), node_of, moe_gemm, dots["marked"] if moe else None)
     if moe:
         notes += [MOE_GEMM_NOTES[moe_gemm]] + ([SORT_NOTE] if backend == "gpu" else [])
+    unknown = hlo.unknown_trip_counts(hlo.parse_module(text))
+    if unknown:
+        notes.append(f"{len(unknown)} loop(s) without a readable trip count ({', '.join(unknown[:3])}) are counted "
+                     "once by the step model: its time is a lower bound")
     result = {
         "gpu": gpu.name, "gpu_description": gpu.description, "num_gpus": len(devices),
         "nodes": max(1, len(devices) // gpu.gpus_per_node), "compiler": "XLA:GPU" if backend == "gpu" else "XLA:CPU",

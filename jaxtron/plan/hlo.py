@@ -267,22 +267,33 @@ def while_trip_count(mod: HloModule, comp: str, rest: str) -> float:
     """How many times a ``while`` runs its body: XLA's ``known_trip_count`` when it is annotated; otherwise
     (a loop the collective pipeliner peeled loses it) from its condition, ``induction variable < limit`` with the
     limit a constant, and the variable's start from ``known_init_step`` or the init tuple's constant (else 0).
-    1 when neither can be read."""
+    1 when neither can be read (:func:`unknown_trip_counts` lists those)."""
     known = _TRIP_RE.search(rest)
     if known:
         return float(known.group(1))
+    trips = _trip_from_condition(mod, comp, rest)
+    return 1.0 if trips is None else trips
+
+
+def unknown_trip_counts(mod: HloModule) -> list[str]:
+    """The ``while`` loops whose trip count neither XLA's annotation nor their condition gives (counted once)."""
+    return [name for comp, instrs in mod.computations.items() for name, _s, opcode, rest in instrs
+            if opcode == "while" and not _TRIP_RE.search(rest) and _trip_from_condition(mod, comp, rest) is None]
+
+
+def _trip_from_condition(mod: HloModule, comp: str, rest: str) -> Optional[float]:
     cond = dict(_CALLEE_RE.findall(rest)).get("condition", "")
     body = mod.computations.get(cond, [])
     if body and body[-1][2] == "fusion":
         body = mod.computations.get(dict(_CALLEE_RE.findall(body[-1][3])).get("calls", ""), [])
     if not body or body[-1][2] != "compare":
-        return 1.0
+        return None
     root = body[-1][3]
     operands = re.findall(r"%([\w.\-]+)", root.split(")", 1)[0])
     direction = re.search(r"direction=(\w+)", root)
     limit = _constant(body, operands[1]) if len(operands) == 2 else None
     if limit is None or not direction or direction.group(1) not in ("LT", "LE"):
-        return 1.0
+        return None
     init_step = re.search(r'"known_init_step"\s*:\s*\{\s*"init"\s*:\s*"(-?\d+)"\s*,\s*"step"\s*:\s*"(\d+)"', rest)
     if init_step:
         init, step = int(init_step.group(1)), int(init_step.group(2))
