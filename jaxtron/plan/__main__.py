@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     hw.add_argument("--gpus-per-node", type=int)
     hw.add_argument("--compute-efficiency", type=float)
     hw.add_argument("--comm-efficiency", type=float)
-    hw.add_argument("--collective-latency-us", type=float)
+    hw.add_argument("--collective-latency-us", type=float, help="launch overhead per collective on top of NCCL's "
+                                                                 "latency model (default 0)")
     hw.add_argument("--mem-fraction", type=float, help="usable fraction of device memory (default 0.95)")
     sm = p.add_argument_group("step model overrides (defaults and sources in jaxtron/plan/gemm.py and steptime.py)")
     sm.add_argument("--gemm-peak-fraction", type=float, help="of the bf16 peak a large GEMM reaches (0.80)")
@@ -109,7 +110,7 @@ def _print_plan(r: dict) -> None:
     fp8 = f" (FP8 GEMMs {h['fp8_peak_tflops']:.0f})" if roof.get("fp8_flops_per_device") else ""
     print(f"  assumed: {h['peak_tflops']:.0f}{fp8} TFLOP/s x {h['compute_efficiency']}, HBM {h['hbm_gbps']:.0f} GB/s, "
           f"NVLink {h['nvlink_gbps']:.0f} GB/s, network {h['net_gbps']:.0f} GB/s per GPU x "
-          f"{h['comm_efficiency']}, {h['collective_latency_us']:.0f} us per collective")
+          f"{h['comm_efficiency']} (NCCL's ring/tree latency model, +{h['collective_latency_us']:.0f} us per launch)")
     sm = r.get("step_model")
     if sm:
         _print_step_model(sm)
@@ -180,11 +181,12 @@ def _bad_argument(args) -> str | None:
         v = getattr(args, name)
         if v is not None and v < 1:
             return f"--{name.replace('_', '-')}: must be >= 1, got {v}"
-    for name in ("peak_tflops", "fp8_peak_tflops", "hbm_gbps", "nvlink_gbps", "net_gbps", "collective_latency_us",
-                 "attention_tflops"):
+    for name in ("peak_tflops", "fp8_peak_tflops", "hbm_gbps", "nvlink_gbps", "net_gbps", "attention_tflops"):
         v = getattr(args, name)
         if v is not None and not v > 0:
             return f"--{name.replace('_', '-')}: must be > 0, got {v}"
+    if args.collective_latency_us is not None and not args.collective_latency_us >= 0:
+        return f"--collective-latency-us: must be >= 0, got {args.collective_latency_us}"
     for name in ("compute_efficiency", "comm_efficiency", "mem_fraction", "gemm_peak_fraction",
                  "gemm_fp8_peak_fraction", "hbm_fraction"):
         v = getattr(args, name)

@@ -45,7 +45,8 @@ class GpuSpec:
     gpus_per_node: int = 8
     compute_efficiency: float = 0.6
     comm_efficiency: float = 0.8
-    collective_latency_us: float = 15.0   # fixed cost per collective launch (NCCL, intra/inter node average)
+    collective_latency_us: float = 0.0    # launch overhead per collective on top of NCCL's own latency model
+    #                                       (jaxtron/plan/nccl.py); not measured, so 0
     mem_fraction: float = 0.95   # of device memory usable by XLA (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)
     # step model overrides (None: jaxtron/plan/gemm.py's per-GPU defaults, steptime.ATTENTION_TFLOPS)
     gemm_peak_fraction: Optional[float] = None

@@ -13,8 +13,8 @@ Roofline, per device and per optimizer step:
   Matmuls and the memory-bound kernels (norms, activations, softmax statistics, the optimizer) run one after
   the other, so the kernel time is their sum.
 * communication: every collective of the compiled step (:mod:`jaxtron.plan.hlo`), wire bytes / (link bandwidth
-  x ``comm_efficiency``) + a fixed latency per launch; the link is NVLink when the replica group stays inside a
-  node and the network when it spans nodes. Collectives over the ``tensor`` axis alone (Megatron TP/SP
+  x ``comm_efficiency``) and latency as NCCL's tuning model times them (:mod:`jaxtron.plan.nccl`); the link is
+  NVLink when the replica group stays inside a node and the network when it spans nodes. Collectives over the ``tensor`` axis alone (Megatron TP/SP
   activations) sit on the critical path and are added; the others (FSDP weight gathers, gradient
   reduce-scatters and data-parallel all-reduces) are scheduled asynchronously by XLA and only the part longer
   than the compute is added.
@@ -34,6 +34,7 @@ import numpy as np
 from jaxtron.config import Config, head_dim
 from jaxtron.parallel.layout import Layout
 from jaxtron.plan import moe as pmoe
+from jaxtron.plan import nccl
 from jaxtron.plan.gpus import GpuSpec
 from jaxtron.train.flops import flops_per_token, moe_layer_count
 
@@ -218,8 +219,9 @@ def collective_timing(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node
     """Each collective's (op, seconds per execution, wire bytes per execution over the network and over NVLink,
     on the critical path by its axes), or seconds 0 for one left out: the link's bandwidth (NVLink inside a node,
     the network across) x ``comm_efficiency`` for its algorithm's wire bytes (a ring spanning nodes at the
-    network's; an all-to-all's off-node share over the network beside its on-node share over NVLink), plus
-    ``collective_latency_us``. The MoE dispatch's
+    network's; an all-to-all's off-node share over the network beside its on-node share over NVLink), timed by
+    NCCL's tuning model (:mod:`jaxtron.plan.nccl`: ring or tree, LL, LL128 or Simple, their latencies), plus
+    ``collective_latency_us`` of launch overhead. The MoE dispatch's
     collectives carry activations (critical path); under ``grouped`` (a dispatch that keeps tokens on their
     device) those spanning the batch axes are left out."""
     moe = bool(moe_layer_count(cfg.model))
@@ -241,9 +243,20 @@ def collective_timing(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node
         remote = (_remote_share(op, node_of) if op.kind in pmoe.EXCHANGES else 1.0) if cross else 0.0
         net, nvl = wire * remote, wire * (1.0 - remote)
         eff = 1e9 * gpu.comm_efficiency
-        secs = max(net / (gpu.net_gbps * eff), nvl / (gpu.nvlink_gbps * eff)) + gpu.collective_latency_us * 1e-6
-        out.append((op, secs, net, nvl, dispatch or layout.on_critical_path(axes)))
+        kind = "all-to-all" if op.kind == "ragged-all-to-all" else op.kind
+        secs, _algorithm, _protocol = nccl.collective_seconds(kind, max(op.group_size, 2), _nodes(op, node_of, cross),
+                                                              net, nvl, gpu.net_gbps * eff, gpu.nvlink_gbps * eff)
+        out.append((op, secs + gpu.collective_latency_us * 1e-6, net, nvl, dispatch or layout.on_critical_path(axes)))
     return out
+
+
+def _nodes(op, node_of: np.ndarray, cross: bool) -> int:
+    """How many nodes one replica group of the collective spans (the most of any group)."""
+    if not cross:
+        return 1
+    if op.kind == "collective-permute" or op.groups is None:
+        return 2 if op.kind == "collective-permute" else len(set(node_of.tolist()))
+    return max(len(set(node_of[[g for g in grp if 0 <= g < len(node_of)]].tolist())) for grp in op.groups)
 
 
 def _remote_share(op, node_of: np.ndarray) -> float:
