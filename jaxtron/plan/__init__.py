@@ -248,8 +248,6 @@ def _attention_run(cfg: Config, compiled: Config) -> Optional[str]:
 
 def _collective_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gemm: str) -> dict:
     """Each collective's link seconds per execution, keyed by (computation, name), for the step model."""
-    if node_of is None:
-        node_of = np.arange(len(layout.mesh.devices.flat)) // gpu.gpus_per_node
     return {(op.computation, op.name): secs
             for op, secs, *_ in pm.collective_timing(cfg, layout, gpu, ops, node_of, moe_gemm)}
 
@@ -274,9 +272,10 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     memory = memory_report(compiled.memory_analysis(), spec, gpu, backend)
     text = compiled.as_text()
     ops = hlo.collectives(text, len(devices))
-    # logical id i is mesh.devices.flat[i]; its node from the topology's process index
-    node_of = np.array([getattr(d, "process_index", d.id // gpu.gpus_per_node)
-                        for d in layout.mesh.devices.flat]) if backend == "gpu" else None
+    # logical id i is mesh.devices.flat[i]; its node from the topology's process index (the CPU compile's
+    # virtual devices: gpus_per_node consecutive ids per node)
+    node_of = np.array([getattr(d, "process_index", d.id // gpu.gpus_per_node) if backend == "gpu"
+                        else i // gpu.gpus_per_node for i, d in enumerate(layout.mesh.devices.flat)])
     dots = hlo.dot_flops(text, pmoe.EXPERT_MATMULS)
     moe = pm.moe_layer_count(ccfg.model) > 0
     roof = pm.roofline(ccfg, layout, gpu, ops, len(devices), node_of, moe_gemm, dots["marked"] if moe else None)

@@ -16,6 +16,7 @@ Bytes are per device. Two numbers per op:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -206,7 +207,10 @@ class HloModule:
         return mult
 
 
+@functools.lru_cache(maxsize=2)
 def parse_module(text: str) -> HloModule:
+    """The module's computations and call graph. Cached: the planner reads one compiled module many ways (its
+    collectives, dots, kernels, schedule); callers must not modify what it returns."""
     comps: dict[str, list] = {}
     calls: dict[str, list] = defaultdict(list)
     entry, cur = None, None

@@ -240,34 +240,29 @@ def collective_timing(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node
             wire *= pmoe.ragged_sent_fraction(cfg, layout)
         # a ring crosses the network at every step when it spans nodes; an exchange sends each peer its share,
         # the other nodes' over the network while the node's own go over NVLink at the same time
-        remote = (_remote_share(op, node_of) if op.kind in pmoe.EXCHANGES else 1.0) if cross else 0.0
+        nodes, share = _node_spread(op, node_of) if cross else (1, 0.0)
+        remote = (share if op.kind in pmoe.EXCHANGES else 1.0) if cross else 0.0
         net, nvl = wire * remote, wire * (1.0 - remote)
         eff = 1e9 * gpu.comm_efficiency
         kind = "all-to-all" if op.kind == "ragged-all-to-all" else op.kind
-        secs, _algorithm, _protocol = nccl.collective_seconds(kind, max(op.group_size, 2), _nodes(op, node_of, cross),
-                                                              net, nvl, gpu.net_gbps * eff, gpu.nvlink_gbps * eff)
+        secs, _algorithm, _protocol = nccl.collective_seconds(kind, max(op.group_size, 2), nodes, net, nvl,
+                                                              gpu.net_gbps * eff, gpu.nvlink_gbps * eff)
         out.append((op, secs + gpu.collective_latency_us * 1e-6, net, nvl, dispatch or layout.on_critical_path(axes)))
     return out
 
 
-def _nodes(op, node_of: np.ndarray, cross: bool) -> int:
-    """How many nodes one replica group of the collective spans (the most of any group)."""
-    if not cross:
-        return 1
-    if op.kind == "collective-permute" or op.groups is None:
-        return 2 if op.kind == "collective-permute" else len(set(node_of.tolist()))
-    return max(len(set(node_of[[g for g in grp if 0 <= g < len(node_of)]].tolist())) for grp in op.groups)
-
-
-def _remote_share(op, node_of: np.ndarray) -> float:
-    """Of what one device sends in an all-to-all (an equal share to each of its n - 1 peers), the largest part
-    that goes to other nodes: the peers off its node over n - 1."""
+def _node_spread(op, node_of: np.ndarray) -> tuple[int, float]:
+    """(the most nodes one replica group spans; of what one device sends in an all-to-all, an equal share to each
+    of its n - 1 peers, the largest part that goes to other nodes: its off-node peers over n - 1)."""
+    if op.kind == "collective-permute":
+        return 2, 1.0
     groups = op.groups if op.groups is not None else np.arange(len(node_of))[None]
-    worst = 0
+    nodes, remote = 1, 0
     for grp in groups:
-        nodes = node_of[[g for g in grp if 0 <= g < len(node_of)]]
-        worst = max([worst] + [int((nodes != nd).sum()) for nd in set(nodes.tolist())])
-    return worst / max(op.group_size - 1, 1)
+        on = node_of[[g for g in grp if 0 <= g < len(node_of)]]
+        nodes = max(nodes, len(set(on.tolist())))
+        remote = max([remote] + [int((on != nd).sum()) for nd in set(on.tolist())])
+    return nodes, remote / max(op.group_size - 1, 1)
 
 
 def _comm(cfg: Config, layout: Layout, gpu: GpuSpec, ops: list, node_of: np.ndarray, moe_gemm: str) -> dict:

@@ -167,6 +167,7 @@ class _Walk:
 
     def __init__(self, mod, gpu, model: GemmModel):
         self.mod, self.gpu, self.model, self.memo = mod, gpu, model, {}
+        self.instr_memo: dict = {}  # the stats walk and the schedule's replay both time every instruction
         self.bw = gpu.hbm_gbps * 1e9 * model.hbm_fraction
 
     def seconds(self, st: dict) -> float:
@@ -212,6 +213,12 @@ class _Walk:
     def instr(self, shape: str, opcode: str, rest: str, shapes: dict) -> dict:
         """One executed instruction that is neither control flow nor a collective: a dot, a fusion (its GEMMs,
         or one memory-bound op), a Pallas GEMM kernel or a memory-bound op."""
+        key = (shape, rest)  # the operand names in ``rest`` make it one instruction's
+        if key not in self.instr_memo:
+            self.instr_memo[key] = self._instr(shape, opcode, rest, shapes)
+        return self.instr_memo[key]
+
+    def _instr(self, shape: str, opcode: str, rest: str, shapes: dict) -> dict:
         if opcode == "dot":
             return self.dot(shape, rest, shapes)
         if opcode == "fusion":
