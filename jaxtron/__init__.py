@@ -12,7 +12,7 @@ The public API (everything the command-line tools do goes through it; ``docs/api
 
 Config:       load_config, Config, ConfigError
 Training:     Trainer, Callback, TrainResult, TrainingAborted
-Model/mesh:   Llama, build_mesh, create_model
+Model/mesh:   Llama, Layout, create_model
 Checkpoints:  Checkpointer, CheckpointError, load_params, load_model
 Hugging Face: import_hf, export_hf, load_hf, save_hf
 Data:         prepare_data, make_corpus, IndexedDataset, load_tokenizer
@@ -34,12 +34,12 @@ _EXPORTS = {
     "load_config": ("jaxtron.config", "load_config"),
     "Config": ("jaxtron.config", "Config"),
     "ConfigError": ("jaxtron.config", "ConfigError"),
-    "Trainer": ("jaxtron.train.loop", "Trainer"),
-    "Callback": ("jaxtron.train.loop", "Callback"),
-    "TrainResult": ("jaxtron.train.loop", "TrainResult"),
-    "TrainingAborted": ("jaxtron.train.loop", "TrainingAborted"),
-    "Llama": ("jaxtron.model", "Llama"),
-    "build_mesh": ("jaxtron.parallel", "build_mesh"),
+    "Trainer": ("jaxtron.train.trainer", "Trainer"),
+    "Callback": ("jaxtron.train.callbacks", "Callback"),
+    "TrainResult": ("jaxtron.train.callbacks", "TrainResult"),
+    "TrainingAborted": ("jaxtron.train.callbacks", "TrainingAborted"),
+    "Llama": ("jaxtron.model.llama", "Llama"),
+    "Layout": ("jaxtron.parallel.layout", "Layout"),
     "create_model": ("jaxtron.train.state", "create_model"),
     "Checkpointer": ("jaxtron.checkpoint", "Checkpointer"),
     "CheckpointError": ("jaxtron.checkpoint", "CheckpointError"),
@@ -88,7 +88,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above are
     from jaxtron.data.prepare import prepare as prepare_data  # noqa: F401
     from jaxtron.data.tokenizers import load_tokenizer  # noqa: F401
     from jaxtron.convert.loading import load_model  # noqa: F401
-    from jaxtron.model import Llama  # noqa: F401
-    from jaxtron.parallel import build_mesh  # noqa: F401
-    from jaxtron.train.loop import Callback, Trainer, TrainingAborted, TrainResult  # noqa: F401
+    from jaxtron.model.llama import Llama  # noqa: F401
+    from jaxtron.parallel.layout import Layout  # noqa: F401
+    from jaxtron.train.callbacks import Callback, TrainingAborted, TrainResult  # noqa: F401
+    from jaxtron.train.trainer import Trainer  # noqa: F401
     from jaxtron.train.state import create_model  # noqa: F401

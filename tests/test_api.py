@@ -200,7 +200,7 @@ def test_step_by_step_defaults_errors_save_restore_generate(tmp_path):
 
 def test_create_model_is_sharded_and_equals_the_training_init():
     cfg = tiny_config("parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2")
-    mesh = jaxtron.build_mesh(cfg, jax.devices()[:4])
+    mesh = jaxtron.Layout.build(cfg, jax.devices()[:4]).mesh
     model = jaxtron.create_model(cfg, mesh)
     wq = model.layers.attention.wq[...]
     assert wq.sharding.mesh == mesh and wq.sharding.spec != jax.sharding.PartitionSpec()

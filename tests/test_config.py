@@ -10,6 +10,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtron.parallel.layout import Layout
 from jaxtron import config as config_lib
+from jaxtron import preflight
 from jaxtron.train.__main__ import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +26,18 @@ def test_every_preset_loads_and_validates(path):
     cfg = config_lib.load(path)
     assert isinstance(cfg, config_lib.Config)
     assert cfg.model.num_heads % cfg.model.num_kv_heads == 0
+    preflight.check(cfg)  # the model's and the mesh's checks on the sizes the preset fixes
+
+
+def test_config_is_a_leaf():
+    """``jaxtron.config`` imports nothing else of jaxtron (and so no JAX): the checks that need the model or the
+    mesh are jaxtron.preflight's."""
+    code = ("import sys, jaxtron.config\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('jaxtron', 'jax', 'pallas_kernels'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = eval(out.stdout.strip().splitlines()[-1])
+    assert loaded and all(m == "jaxtron" or m.startswith("jaxtron.config") for m in loaded), loaded
 
 
 def test_dotted_overrides_and_types():
@@ -127,9 +140,9 @@ def test_mosaic_on_cpu_refuses_too_few_xla_threads(monkeypatch):
 
     cfg = config_lib.load(None, ["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256",
                                  "model.num_heads=4", "model.num_kv_heads=2", "model.dtype=bfloat16"])
-    Layout.planned(cfg, 1, "cpu")                 # 8 CPU devices here: 8 threads
+    preflight.check(cfg, Layout.planned(cfg, 1, "cpu"))                 # 8 CPU devices here: 8 threads
     monkeypatch.setattr(fam, "interpret_threads", lambda: 2)
     with pytest.raises(config_lib.ConfigError, match="model.attention_impl: 'mosaic' on CPU needs 4 XLA CPU"):
-        Layout.planned(cfg, 1, "cpu")
+        preflight.check(cfg, Layout.planned(cfg, 1, "cpu"))
     with pytest.raises(RuntimeError, match="XLA_FLAGS=--xla_force_host_platform_device_count=4"):
         fam.mosaic_interpret_params()

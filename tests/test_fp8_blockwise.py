@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from helpers import NONZERO_LR, assert_same_training, tiny_config, training_record
+from jaxtron import preflight
 from jaxtron.config import ConfigError
 from jaxtron.model import fp8_blockwise as bw
 from jaxtron.model.kernels import blockwise_gemm
+from jaxtron.parallel.layout import Layout
 from test_plan import SMALL, _cli, needs_xla_gpu
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -202,9 +204,15 @@ def test_layout_trains_as_one_device():
 
 
 def test_widths_that_split_a_tile_are_config_errors():
-    with pytest.raises(ConfigError, match=r"^model.num_kv_heads: model.fp8=blockwise needs 32 / 2 .* "
-                                          r"model.fp8_block=32"):
-        tiny_config("model.fp8=blockwise", "model.fp8_block=32", "parallel.tensor=2")
+    split_tile = r"^model.num_kv_heads: model.fp8=blockwise needs 32 / 2 .* model.fp8_block=32"
+    with pytest.raises(ConfigError, match=split_tile):
+        preflight.check(tiny_config("model.fp8=blockwise", "model.fp8_block=32", "parallel.tensor=2"))
+    # a -1 tensor axis is checked on the size it resolves to (8 devices / data 4 = 2), not on the -1
+    cfg = tiny_config("model.fp8=blockwise", "model.fp8_block=32", "data.seq_len=32", "parallel.data=4",
+                      "parallel.tensor=-1")
+    preflight.check(cfg)
+    with pytest.raises(ConfigError, match=split_tile):
+        preflight.check(cfg, Layout.planned(cfg, 8))
     with pytest.raises(ConfigError, match="^model.fp8_block: must be a power of two >= 16, got 24"):
         tiny_config("model.fp8=blockwise", "model.fp8_block=24")
     with pytest.raises(ConfigError, match="^model.fp8_blockwise_impl: 'triton' is not one of"):

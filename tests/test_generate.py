@@ -206,7 +206,7 @@ def test_tensor_parallel_generation_equals_one_device():
     sharding constraints), generates the same tokens as on one device, greedy, token for token."""
     from jaxtron import config as config_lib
     from jaxtron.generate import generate
-    from jaxtron.parallel.layout import Layout
+    from jaxtron.preflight import inference_layout
     from jaxtron.train.state import create_model
 
     cfg = config_lib.load(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
@@ -215,7 +215,7 @@ def test_tensor_parallel_generation_equals_one_device():
     model = create_model(cfg, devices=jax.devices()[:1])
     prompts = [[5, 17, 3, 99, 42], [7, 8]]
     one = generate(model, prompts, max_new_tokens=12)
-    layout = Layout.for_inference(cfg.model, ["parallel.tensor=2"])
+    layout = inference_layout(cfg.model, ["parallel.tensor=2"])
     assert layout.tp == 2 and layout.num_devices == 2
     sharded = layout.place(model)
     wq = sharded.layers.attention.wq[...]

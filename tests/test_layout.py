@@ -5,8 +5,10 @@ import pytest
 
 from helpers import TINY, tiny_config
 from jaxtron import config as config_lib
+from jaxtron import preflight
 from jaxtron.config import ConfigError
-from jaxtron.parallel.layout import AXES, Layout
+from jaxtron.parallel.axes import AXES
+from jaxtron.parallel.layout import Layout
 
 
 def test_fills_the_minus_one_axis_and_derives_the_batch_arithmetic():
@@ -52,9 +54,9 @@ def test_mesh_dependent_errors_name_the_field(overrides, field):
     assert len(str(err.value).splitlines()) == 1
 
 
-def test_fixed_sizes_are_checked_when_the_config_loads():
+def test_fixed_sizes_are_checked_before_the_devices_are_known():
     with pytest.raises(ConfigError, match=r"^parallel.tensor: model.num_heads=8 is not divisible by tensor=3"):
-        tiny_config("parallel.tensor=3")
+        preflight.check(tiny_config("parallel.tensor=3"))
 
 
 def test_collective_axes_for_the_planner():

@@ -350,7 +350,7 @@ def test_pallas_grouped_matmul_gives_the_ragged_dot_loss_and_gradients():
 def test_cached_decoding_of_grouped_moe_layers_equals_the_full_forward():
     """first_dense_layers=1 and layer_freq=3 (a dense stack, then a scanned group of 2 dense + 1 MoE): the
     KV-cache path hands each stack its slice of the cache and gives the logits of the plain forward."""
-    from jaxtron.model import Llama
+    from jaxtron.model.llama import Llama
     from jaxtron.model.cache import init_cache
     from jaxtron.model.llama import layer_stacks
 

@@ -80,7 +80,7 @@ def test_packed_documents_do_not_attend_across(tmp_path):
     """With segment ids, a document's logits do not depend on the document packed before it."""
     import jax.numpy as jnp
     from flax import nnx
-    from jaxtron.model import Llama
+    from jaxtron.model.llama import Llama
 
     cfg = tiny_config()
     model = Llama(cfg.model, rngs=nnx.Rngs(0))

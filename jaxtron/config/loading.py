@@ -11,7 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from jaxtron.config.schema import CONFIG_DIR, Config, ConfigError
+from jaxtron.config.schema import CONFIG_DIR, Config, ConfigError, ParallelConfig
 from jaxtron.config.validation import validate
 
 def _omegaconf_error(err: OmegaConfBaseException, origin: str) -> ConfigError:
@@ -90,6 +90,15 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] | Mapping[s
     elif isinstance(overrides, str):
         overrides = [overrides]
     return load(None if path is None else os.fspath(path), list(overrides), validate_config)
+
+
+def inference_parallel(overrides: Sequence[str] = ()) -> ParallelConfig:
+    """The ``parallel`` section of a generation or evaluation run: ``parallel.*`` ``overrides`` (e.g.
+    ``["parallel.tensor=2"]``) on the defaults, data parallelism 1 unless they set it."""
+    bad = [o for o in overrides if not o.startswith("parallel.")]
+    if bad:
+        raise ConfigError(bad[0].split("=")[0], "only parallel.* overrides apply to generation/evaluation")
+    return load(None, ["parallel.data=1", *overrides], validate_config=False).parallel
 
 
 def to_dict(cfg: Config) -> dict:

@@ -24,6 +24,12 @@ class ConfigError(ValueError):
         super().__init__(f"{field_name}: {message}")
 
 
+def require(cond: bool, field_name: str, message: str) -> None:
+    """Raise :class:`ConfigError` for ``field_name`` with ``message`` unless ``cond`` holds."""
+    if not cond:
+        raise ConfigError(field_name, message)
+
+
 def _f(default: Any = dataclasses.MISSING, doc: str = "", factory: Any = None):
     if factory is not None:
         return field(default_factory=factory, metadata={"doc": doc})
@@ -131,7 +137,7 @@ class ModelConfig:
     check_kernels: bool = _f(True, "On GPUs, before compiling the train step, run each selected Pallas/Mosaic "
                                    "kernel forward and backward on a small problem against the XLA reference "
                                    "and stop with an error naming the field if it disagrees "
-                                   "(jaxtron/train/kernel_check.py).")
+                                   "(jaxtron/model/kernel_check.py).")
     fp8: str = _f("none", "FP8 matmuls for the decoder's dense projections (QKV, attention output, gate/up, "
                           "down, shared experts; jaxtron/model/fp8.py): 'none', 'current' (each tensor scaled by "
                           "its own amax in this step), 'delayed' (scaled by the max amax of the last "
@@ -327,6 +333,22 @@ class LoggingConfig:
 
 
 @dataclass
+class MonitorConfig:
+    health: bool = _f(True, "Time every step on every process (step time, device wait, data wait) and gather them "
+                            "with host and device memory at each log point: metrics.jsonl, health.jsonl, the "
+                            "straggler warning and the hang detector need it (docs/operations.md).")
+    straggler_threshold: float = _f(1.5, "Warn when a process's slowdown against the median process reaches this.")
+    hang_factor: float = _f(20.0, "End the run (exit status 75, for the supervisor to restart) when no step has "
+                                  "finished for this many times the median of the recent step times; 0: off.")
+    hang_min_s: float = _f(600.0, "The hang limit is never shorter than this (seconds).")
+    loss_spike_window: int = _f(0, "Judge each step's loss against the median of this many previous ones; 0: off.")
+    loss_spike_threshold: float = _f(0.5, "A loss above the window's median by more than this fraction is a spike.")
+    loss_spike_action: str = _f("log", "On a loss spike: 'log' (a warning) or 'stop' (save a checkpoint and stop).")
+    prometheus_port: Optional[int] = _f(None, "Serve Prometheus metrics on this port of process 0 (needs the "
+                                              "'monitoring' extra); None: off, 0: any free port.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = _f(doc="The network.", factory=ModelConfig)
     parallel: ParallelConfig = _f(doc="Device mesh sizes and sharding switches.", factory=ParallelConfig)
@@ -336,6 +358,7 @@ class Config:
     checkpoint: CheckpointConfig = _f(doc="Checkpoints.", factory=CheckpointConfig)
     distributed: DistributedConfig = _f(doc="Joining a multi-process (multi-node) run.", factory=DistributedConfig)
     logging: LoggingConfig = _f(doc="Metrics and terminal output.", factory=LoggingConfig)
+    monitor: MonitorConfig = _f(doc="Run health: stragglers, hangs, loss spikes, Prometheus.", factory=MonitorConfig)
 
 
 def compute_dtype(m: ModelConfig) -> str:

@@ -1,8 +1,8 @@
-"""Checks of a config that need no devices; each raises :class:`ConfigError` naming the first bad field.
+"""Checks of a config on its own fields; each raises :class:`ConfigError` naming the first bad field.
 
-Checks that need the mesh sizes (heads divisible by the tensor axis, batch by the data-parallel size, layers
-by the pipeline stages) are made by :mod:`jaxtron.parallel.layout`, once, and called from here with the sizes
-the config fixes; kernel capability checks (head dims, dtypes, platforms) by :mod:`jaxtron.model.kernels`.
+Checks that need the model or the mesh (heads divisible by the tensor axis, batch by the data-parallel size,
+layers by the pipeline stages, kernel capabilities, FP8 blocks per shard) are made by :mod:`jaxtron.preflight`,
+which the entry points call on the configured sizes and again on the Layout's resolved ones.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from functools import reduce
 
-from jaxtron.config.schema import Config, ConfigError, head_dim
+from jaxtron.config.schema import Config, head_dim, require as check
 
 ATTENTION_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
 FP8_RECIPES = ("none", "current", "delayed", "blockwise")
@@ -25,11 +25,6 @@ MOE_GMM_IMPLS = ("ragged_dot", "pallas")
 MOE_EP_DISPATCH = ("all_to_all", "ragged_all_to_all")
 
 
-def check(cond: bool, field_name: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(field_name, message)
-
-
 def _positive(cfg, *dotted: str) -> None:
     for name in dotted:
         v = reduce(getattr, name.split("."), cfg)
@@ -42,14 +37,10 @@ def _one_of(cfg, name: str, choices) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Checks that need no devices. Raises ConfigError naming the first bad field."""
-    from jaxtron.model import kernels
-    from jaxtron.parallel import layout
-
+    """Checks of the config's own fields (not against the model's kernels or the mesh: see
+    :mod:`jaxtron.preflight`). Raises ConfigError naming the first bad field."""
     _validate_model(cfg)
     _validate_moe(cfg)
-    kernels.check(cfg)
-    layout.check_parallel(cfg)
     _validate_optim(cfg)
     _validate_data(cfg)
     _validate_run(cfg)
@@ -93,24 +84,11 @@ def _validate_model(cfg: Config) -> None:
 
 
 def _check_blockwise(cfg: Config) -> None:
-    """model.fp8=blockwise: every tile lies inside one device's shard (the tiles, and so the numbers, are those
-    of one device), which needs the split widths to be multiples of the block."""
-    m, p = cfg.model, cfg.parallel
+    """The FP8 block's own fields; whether each device's shard holds whole blocks needs the mesh sizes
+    (:func:`jaxtron.preflight.check`)."""
     _one_of(cfg, "model.fp8_blockwise_impl", FP8_BLOCKWISE_IMPLS)
-    b = m.fp8_block
+    b = cfg.model.fp8_block
     check(b >= 16 and b & (b - 1) == 0, "model.fp8_block", f"must be a power of two >= 16, got {b}")
-    if m.fp8 != "blockwise":
-        return
-    moe = m.moe
-    shared = (moe.shared_expert_intermediate_size or moe.expert_intermediate_size) * moe.num_shared_experts
-    widths = {"model.hidden_size": (m.hidden_size, 1), "model.num_heads": (m.num_heads * head_dim(m), p.tensor),
-              "model.num_kv_heads": (m.num_kv_heads * head_dim(m), p.tensor),
-              "model.intermediate_size": (m.intermediate_size, p.tensor),
-              "model.moe.num_shared_experts": (shared, p.tensor), "data.seq_len": (cfg.data.seq_len, p.context)}
-    for field, (width, split) in widths.items():
-        local = width // split if width % split == 0 else width / split
-        check(local % b == 0, field, f"model.fp8=blockwise needs {width} / {split} (split over the mesh) to be a "
-                                     f"multiple of model.fp8_block={b}")
 
 
 def _validate_moe(cfg: Config) -> None:
@@ -223,3 +201,18 @@ def _validate_run(cfg: Config) -> None:
     _positive(cfg, "logging.log_every")
     check(cfg.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level",
           f"{cfg.logging.level!r} is not a logging level")
+    _validate_monitor(cfg)
+
+
+def _validate_monitor(cfg: Config) -> None:
+    m = cfg.monitor
+    check(m.straggler_threshold > 1, "monitor.straggler_threshold", f"must be > 1, got {m.straggler_threshold:g}")
+    check(m.hang_factor == 0 or m.hang_factor > 1, "monitor.hang_factor",
+          f"must be > 1 (or 0: off), got {m.hang_factor:g}")
+    check(m.hang_min_s > 0, "monitor.hang_min_s", f"must be > 0, got {m.hang_min_s:g}")
+    check(m.hang_factor == 0 or m.health, "monitor.hang_factor", "needs monitor.health=true (it times the steps)")
+    check(m.loss_spike_window >= 0, "monitor.loss_spike_window", f"must be >= 0, got {m.loss_spike_window}")
+    check(m.loss_spike_threshold > 0, "monitor.loss_spike_threshold", f"must be > 0, got {m.loss_spike_threshold:g}")
+    _one_of(cfg, "monitor.loss_spike_action", ("log", "stop"))
+    check(m.prometheus_port is None or 0 <= m.prometheus_port < 65536, "monitor.prometheus_port",
+          f"must be a port number (0: any free one), got {m.prometheus_port}")

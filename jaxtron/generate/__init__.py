@@ -173,7 +173,7 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, temperature: float = 
     """Continue each prompt (a list of token-id lists of any lengths, or a ``[batch, len]`` array) by up to
     ``max_new_tokens`` tokens. See the module docstring; ``pad_id`` defaults to ``eos_id`` (or 0).
 
-    ``layout`` (a :class:`jaxtron.parallel.Layout`, e.g. ``Layout.for_inference(cfg.model,
+    ``layout`` (a :class:`jaxtron.parallel.layout.Layout`, e.g. ``jaxtron.preflight.inference_layout(cfg.model,
     ["parallel.tensor=2"])``, with the model placed on it by ``layout.place(model)``): generation runs on its
     mesh under its rules, the same sharding constraints as training (heads, MLP, vocab and the KV cache split
     over tensor parallelism)."""

@@ -98,9 +98,9 @@ def main(argv=None) -> int:
         new_tokens = _within_positions(args, loaded, max(len(p) for p in prompts))
         layout = None
         if args.overrides:
-            from jaxtron.parallel.layout import Layout
+            from jaxtron import preflight
 
-            layout = Layout.for_inference(cfg, args.overrides)
+            layout = preflight.inference_layout(cfg, args.overrides)
             model = layout.place(model)
         out = gen.generate(model, prompts, max_new_tokens=new_tokens, temperature=args.temperature,
                            top_p=args.top_p, eos_id=tok.eod, seed=args.seed, use_cache=not args.no_cache,

@@ -1,18 +1,21 @@
 """The one door from jaxtron to ``pallas_kernels``: the kernels the model runs (flash attention, fused RoPE and
-SwiGLU, each per shard under the mesh; the MoE grouped matmul), and :func:`check`, what config validation and
-the Layout ask about them (head dims, dtypes, platforms, the Mosaic interpreter's limits). No other jaxtron
+SwiGLU, each per shard under the mesh; the MoE grouped matmul), and :func:`check`, what :mod:`jaxtron.preflight`
+asks about them (head dims, dtypes, platforms, the Mosaic interpreter's limits). No other jaxtron
 module imports ``pallas_kernels``; ``pallas_kernels`` is imported here only when a kernel is used or checked,
-so validating a config that selects none imports no JAX."""
+so a run that selects none loads none of them."""
 
 from __future__ import annotations
 
 import functools
 from typing import Optional
 
-from jaxtron.config.schema import ConfigError, compute_dtype, head_dim
+from jaxtron.config.schema import compute_dtype, head_dim, require
+from jaxtron.parallel.sharding import devices_are_cpu, per_shard
 
-Q_NAMES = ("act_batch", None, "act_heads", None)
-KV_NAMES = ("act_batch", None, "act_kv_heads", None)
+# The flash kernel masks causally by index, so each device runs it on whole sequences: batch and heads split,
+# the sequence not (attention over a split sequence is jaxtron.parallel.ring_attention's, with its own names).
+WHOLE_SEQ_Q_NAMES = ("act_batch", None, "act_heads", None)
+WHOLE_SEQ_KV_NAMES = ("act_batch", None, "act_kv_heads", None)
 
 
 def flash_attention(q, k, v, segment_ids, scale: float, backend: str = "triton", **kernel_kw):
@@ -20,16 +23,15 @@ def flash_attention(q, k, v, segment_ids, scale: float, backend: str = "triton",
     sequence whole. ``backend``: 'triton' or 'mosaic'."""
     from pallas_kernels.flash_attention import flash_attention as kernel_fn
 
-    from jaxtron.parallel.sharding import kernel_interpret, per_shard
-
-    interpret = kernel_interpret()
+    interpret = devices_are_cpu()
 
     def kernel(q, k, v, segment_ids):
         return kernel_fn(q, k, v, causal=True, segment_ids=segment_ids, softmax_scale=scale, interpret=interpret,
                          backend=backend, **kernel_kw)
 
     seg_names = ("act_batch", None) if segment_ids is not None else None
-    return per_shard(kernel, (Q_NAMES, KV_NAMES, KV_NAMES, seg_names), Q_NAMES)(q, k, v, segment_ids)
+    return per_shard(kernel, (WHOLE_SEQ_Q_NAMES, WHOLE_SEQ_KV_NAMES, WHOLE_SEQ_KV_NAMES, seg_names),
+                     WHOLE_SEQ_Q_NAMES)(q, k, v, segment_ids)
 
 
 def flash_piece(scale: float):
@@ -37,9 +39,7 @@ def flash_piece(scale: float):
     ``shard_map``): ``pallas_kernels.flash_attention_lse``, for attention split over the context axis."""
     from pallas_kernels.flash_attention_lse import flash_attention_lse
 
-    from jaxtron.parallel.sharding import kernel_interpret
-
-    interpret = kernel_interpret()
+    interpret = devices_are_cpu()
 
     def flash(q, k, v, q_seg, kv_seg, causal: bool):
         return flash_attention_lse(q, k, v, causal=causal, segment_ids=q_seg,
@@ -54,11 +54,9 @@ def rope(q, k, positions, inv_freq):
     import jax.numpy as jnp
     from pallas_kernels.rope import apply_rope as fused_rope
 
-    from jaxtron.parallel.sharding import kernel_interpret, per_shard
-
     q_names = ("act_batch", "act_seq", "act_heads", None)
     k_names = ("act_batch", "act_seq", "act_kv_heads", None)
-    kernel = functools.partial(fused_rope, interpret=kernel_interpret())
+    kernel = functools.partial(fused_rope, interpret=devices_are_cpu())
     return per_shard(kernel, (q_names, k_names, ("act_batch", "act_seq"), (None,)),
                      [q_names, k_names])(q, k, positions.astype(jnp.int32), inv_freq)
 
@@ -67,10 +65,8 @@ def swiglu(gate, up):
     """silu(gate) * up with the fused kernel (``pallas_kernels.swiglu``), per shard."""
     from pallas_kernels.swiglu import swiglu as fused_swiglu
 
-    from jaxtron.parallel.sharding import kernel_interpret, per_shard
-
     names = ("act_batch", "act_seq", "act_mlp")
-    return per_shard(functools.partial(fused_swiglu, interpret=kernel_interpret()), (names, names), names)(gate, up)
+    return per_shard(functools.partial(fused_swiglu, interpret=devices_are_cpu()), (names, names), names)(gate, up)
 
 
 def gmm(lhs, rhs, group_sizes):
@@ -83,9 +79,7 @@ def gmm(lhs, rhs, group_sizes):
     import jax.numpy as jnp
     from pallas_kernels.grouped_matmul import gmm as grouped_matmul
 
-    from jaxtron.parallel.sharding import kernel_interpret
-
-    return grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, interpret=kernel_interpret())
+    return grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, interpret=devices_are_cpu())
 
 
 def blockwise_gemm(impl: str, block: int):
@@ -95,17 +89,10 @@ def blockwise_gemm(impl: str, block: int):
     same sums in XLA's ops."""
     from pallas_kernels.fp8_blockwise import blockwise_matmul, blockwise_matmul_reference
 
-    from jaxtron.parallel.sharding import kernel_interpret
-
     if impl == "pallas":
         return lambda a, sa, b, sb, out_dtype: blockwise_matmul(a, sa, b, sb, block=block, out_dtype=out_dtype,
-                                                                interpret=kernel_interpret())
+                                                                interpret=devices_are_cpu())
     return lambda a, sa, b, sb, out_dtype: blockwise_matmul_reference(a, sa, b, sb, block=block, out_dtype=out_dtype)
-
-
-def _check(cond, field, msg):
-    if not cond:
-        raise ConfigError(field, msg)
 
 
 def check(cfg, platform: Optional[str] = None, *, num_devices: int = 1, micro_batch_size: Optional[int] = None,
@@ -118,60 +105,60 @@ def check(cfg, platform: Optional[str] = None, *, num_devices: int = 1, micro_ba
     if m.attention_impl == "mosaic":
         from pallas_kernels.flash_attention_mosaic import MOSAIC_HEAD_DIMS
 
-        _check(head_dim(m) in MOSAIC_HEAD_DIMS, "model.attention_impl",
+        require(head_dim(m) in MOSAIC_HEAD_DIMS, "model.attention_impl",
                f"'mosaic' supports head_dim {MOSAIC_HEAD_DIMS}, the model has {head_dim(m)}; use 'pallas'")
-        _check(m.dtype != "float32", "model.attention_impl",
+        require(m.dtype != "float32", "model.attention_impl",
                "'mosaic' computes in bf16/fp16 (wgmma has no IEEE fp32); model.dtype=float32 needs 'pallas'")
     if m.attention_impl == "pallas":
         from pallas_kernels.flash_attention import head_dim_supported
 
-        _check(head_dim_supported(head_dim(m)), "model.attention_impl",
+        require(head_dim_supported(head_dim(m)), "model.attention_impl",
                f"'pallas' needs head_dim a power of two >= 16 (64, 128, 256), the model has {head_dim(m)}; "
                "use 'xla'")
     if m.rope_impl == "pallas":
         from pallas_kernels.rope import head_dim_supported as rope_head_dim_supported
 
-        _check(rope_head_dim_supported(head_dim(m)), "model.rope_impl",
+        require(rope_head_dim_supported(head_dim(m)), "model.rope_impl",
                f"'pallas' needs head_dim/2 a power of two (head_dim 64, 128, 256), the model has {head_dim(m)}; "
                "use 'xla'")
     if platform is None:
         return
     if m.attention_impl == "cudnn":
-        _check(platform in ("gpu", "cuda"), "model.attention_impl",
+        require(platform in ("gpu", "cuda"), "model.attention_impl",
                f"'cudnn' needs an NVIDIA GPU; the devices here are {platform!r} (use model.attention_impl=xla)")
     for name in ("attention_impl", "rope_impl", "mlp_impl", "moe.gmm_impl"):
         impl = functools.reduce(getattr, name.split("."), m)
-        _check(impl != "pallas" or platform in ("gpu", "cuda", "cpu"), f"model.{name}",
+        require(impl != "pallas" or platform in ("gpu", "cuda", "cpu"), f"model.{name}",
                f"'pallas' kernels are Triton (NVIDIA GPU; interpret mode on CPU), not {platform!r}")
     if m.attention_impl != "mosaic":
         return
-    _check(platform in ("gpu", "cuda", "cpu"), "model.attention_impl",
+    require(platform in ("gpu", "cuda", "cpu"), "model.attention_impl",
            f"'mosaic' is a Mosaic GPU kernel (NVIDIA Hopper; interpret mode on CPU), not {platform!r}")
     if platform == "cpu":
         import jax
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        _check(hasattr(plgpu, "InterpretGPUParams"), "model.attention_impl",
+        require(hasattr(plgpu, "InterpretGPUParams"), "model.attention_impl",
                f"'mosaic' on CPU runs in Mosaic GPU's interpreter, which jax {jax.__version__} lacks "
                "(jax >= 0.11); use 'pallas'")
-    _check(compute_dtype(m) != "float32", "model.dtype",
+    require(compute_dtype(m) != "float32", "model.dtype",
            "float32 compute (model.dtype=auto on CPU) cannot use attention_impl='mosaic'; set model.dtype=bfloat16")
     if platform == "cpu" and not m.deterministic_attention:
         from pallas_kernels.flash_attention import INTERPRET_DQ_BYTES, interpret_dq_bytes
 
         seq = -(-cfg.data.seq_len // 128) * 128
         need = interpret_dq_bytes(micro_batch_size, seq, m.num_heads // tensor, head_dim(m))
-        _check(need <= INTERPRET_DQ_BYTES, "model.deterministic_attention",
+        require(need <= INTERPRET_DQ_BYTES, "model.deterministic_attention",
                f"'mosaic' on CPU (interpreted) sums its fused dq through {need / 2**30:.1f} GiB of partial sums at "
                f"data.seq_len={cfg.data.seq_len}; set model.deterministic_attention=true or a shorter data.seq_len")
     if platform == "cpu":
         from pallas_kernels.flash_attention_mosaic import INTERPRET_THREADS, interpret_threads
 
-        _check(num_devices == 1, "model.attention_impl",
+        require(num_devices == 1, "model.attention_impl",
                f"'mosaic' on CPU runs in Mosaic GPU's interpreter, which simulates one GPU per process: kernels "
                f"interpreted on {num_devices} CPU devices at once trip over each other's barriers; train on one "
                "device (jaxtron.Trainer(cfg, devices=jax.devices()[:1])) or use 'pallas'")
-        _check(interpret_threads() >= INTERPRET_THREADS, "model.attention_impl",
+        require(interpret_threads() >= INTERPRET_THREADS, "model.attention_impl",
                f"'mosaic' on CPU needs {INTERPRET_THREADS} XLA CPU threads for Mosaic GPU's interpreter and XLA "
                f"has {interpret_threads()} here (max of cores and CPU devices), so it would deadlock; use "
                "'pallas'")

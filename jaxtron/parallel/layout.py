@@ -2,56 +2,53 @@
 the batch config. Everything outside ``jaxtron/parallel/`` asks the Layout (the data-parallel size, stages,
 micro batches, the mesh, the rules, the batch sharding) instead of doing mesh arithmetic itself.
 
-    layout = Layout.build(cfg, devices)           # validates, resolves a -1 axis, builds the mesh
+    layout = Layout.build(cfg, devices)           # checks the parallel sizes, resolves a -1 axis, builds the mesh
     layout.dp, layout.tp, layout.stages, layout.accumulation_steps, layout.bubble
     with layout.tracing():                        # the mesh + logical rules the model's constraints follow
         ...
 
-Adding a mesh axis: add it to :data:`AXES` (and a size field to ``ParallelConfig``), map logical names onto
-it in :mod:`jaxtron.parallel.rules`, check what it must divide in :func:`check_parallel`, and put the code
-that needs the axis by name (a ``shard_map``) in ``jaxtron/parallel/``. See docs/parallelism.md.
+The Layout checks ``parallel.*`` only; the checks against the model's kernels are :mod:`jaxtron.preflight`'s,
+which the entry points run on the built Layout.
+
+Adding a mesh axis: add it to :data:`~jaxtron.parallel.axes.AXES` (and a size field to ``ParallelConfig``), map
+logical names onto it in :mod:`jaxtron.parallel.rules`, check what it must divide in :func:`check_parallel`, and
+put the code that needs the axis by name (a ``shard_map``) in ``jaxtron/parallel/``. See docs/parallelism.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
 
-from typing import TYPE_CHECKING
-
+import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
-from jaxtron.config.schema import Config, ConfigError, ParallelConfig
-from jaxtron.parallel.context import check_context
+from jaxtron.config.schema import Config, ModelConfig, ParallelConfig, require
+from jaxtron.parallel.axes import (AXES, BATCH_SPLIT, CONTEXT, CRITICAL_PATH, EXPERT, STAGE, TENSOR,
+                                   data_parallel_size)
+from jaxtron.parallel.context import balance, check_context
 from jaxtron.parallel.expert import check_expert
+from jaxtron.parallel.mesh import mesh_for
+from jaxtron.parallel.pipeline import PipelineSpec
+from jaxtron.parallel.rules import logical_rules
+from jaxtron.parallel.sharding import logical_to_sharding, param_shardings, use_rules
 
-if TYPE_CHECKING:  # jax is imported where a mesh is built: config validation does not import it
-    import jax
-    from jax.sharding import Mesh, NamedSharding
-
-# The mesh axes, outermost first: stage and data span hosts; tensor (then context, expert, fsdp) stay inner,
-# inside a node (expert's all-to-alls want NVLink).
-AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
-# Axes that split the batch (data parallelism: gradients are reduced over them). Expert parallelism is drawn
-# from the data-parallel devices (Megatron's EP within DP): the expert ranks hold different tokens.
-BATCH_SPLIT = ("data", "fsdp", "expert")
-# Axes whose collectives sit on the critical path (Megatron tensor/sequence parallel activations); the others
-# (FSDP gathers, gradient reductions) XLA overlaps with compute.
-CRITICAL_PATH = ("tensor", "context", "expert")  # context: attention waits for the gathered K and V; expert:
-                                                 # the experts wait for the dispatch all-to-all
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular")
-
-
-def _check(cond: bool, field_name: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(field_name, message)
 
 
 def configured_sizes(p: ParallelConfig) -> dict[str, int]:
     """The sizes as configured, by axis (-1: fill with the devices the others leave)."""
     return {a: getattr(p, a) for a in AXES}
+
+
+def known_sizes(p: ParallelConfig) -> dict[str, int]:
+    """The sizes the config fixes before the devices are known (a -1 axis left out)."""
+    return {a: v for a, v in configured_sizes(p).items() if v != -1}
 
 
 def resolve_sizes(p: ParallelConfig, num_devices: int) -> dict[str, int]:
@@ -60,11 +57,11 @@ def resolve_sizes(p: ParallelConfig, num_devices: int) -> dict[str, int]:
     fixed = math.prod(v for v in sizes.values() if v != -1)
     fill = [a for a, v in sizes.items() if v == -1]
     if fill:
-        _check(num_devices % fixed == 0, f"parallel.{fill[0]}",
+        require(num_devices % fixed == 0, f"parallel.{fill[0]}",
                f"cannot fill: {num_devices} devices are not divisible by the other axes' product {fixed}")
         sizes[fill[0]] = num_devices // fixed
     total = math.prod(sizes.values())
-    _check(total == num_devices, "parallel",
+    require(total == num_devices, "parallel",
            f"mesh {'*'.join(AXES)} = {'*'.join(str(sizes[a]) for a in AXES)} = {total} does not match the "
            f"{num_devices} available devices")
     return sizes
@@ -82,49 +79,49 @@ def check_parallel(cfg: Config, sizes: Optional[Mapping[str, int]] = None) -> No
     resolved sizes."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     for axis, v in configured_sizes(p).items():
-        _check(v == -1 or v >= 1, f"parallel.{axis}", f"must be >= 1 (or -1 to fill), got {v}")
-    _check(sum(v == -1 for v in configured_sizes(p).values()) <= 1, "parallel",
+        require(v == -1 or v >= 1, f"parallel.{axis}", f"must be >= 1 (or -1 to fill), got {v}")
+    require(sum(v == -1 for v in configured_sizes(p).values()) <= 1, "parallel",
            f"at most one of {'/'.join(AXES)} may be -1")
-    _check(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
+    require(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
            f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
-    _check(p.virtual_stages >= 1, "parallel.virtual_stages", f"must be >= 1, got {p.virtual_stages}")
-    _check(p.virtual_stages == 1 or p.pipeline_schedule == "circular", "parallel.virtual_stages",
+    require(p.virtual_stages >= 1, "parallel.virtual_stages", f"must be >= 1, got {p.virtual_stages}")
+    require(p.virtual_stages == 1 or p.pipeline_schedule == "circular", "parallel.virtual_stages",
            f"{p.virtual_stages} virtual stages need parallel.pipeline_schedule=circular "
            f"(got {p.pipeline_schedule!r})")
-    known = dict(sizes) if sizes is not None else {a: v for a, v in configured_sizes(p).items() if v != -1}
-    stages, tensor = known.get("stage"), known.get("tensor")
+    known = dict(sizes) if sizes is not None else known_sizes(p)
+    stages, tensor = known.get(STAGE), known.get(TENSOR)
     if stages is not None:
         chunks = stages * p.virtual_stages
-        _check(m.moe.num_experts or m.num_layers % chunks == 0, "model.num_layers",
+        require(m.moe.num_experts or m.num_layers % chunks == 0, "model.num_layers",
                f"{m.num_layers} layers cannot be split into parallel.stage ({stages}) x parallel.virtual_stages "
                f"({p.virtual_stages}) = {chunks} equal chunks")
         if m.moe.num_experts:  # the stages split the scanned MoE units; the leading dense layers run before
             units = (m.num_layers - m.moe.first_dense_layers) // m.moe.layer_freq
-            _check(units % chunks == 0, "parallel.stage", f"the {units} scanned MoE units (model.num_layers - "
+            require(units % chunks == 0, "parallel.stage", f"the {units} scanned MoE units (model.num_layers - "
                    f"model.moe.first_dense_layers, in groups of model.moe.layer_freq) cannot be split into "
                    f"parallel.stage ({stages}) x parallel.virtual_stages ({p.virtual_stages}) = {chunks} chunks")
     if tensor is not None:
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
-            _check(getattr(m, name) % tensor == 0, "parallel.tensor",
+            require(getattr(m, name) % tensor == 0, "parallel.tensor",
                    f"model.{name}={getattr(m, name)} is not divisible by tensor={tensor}")
         if p.sequence_parallel:
-            _check(cfg.data.seq_len % tensor == 0, "data.seq_len",
+            require(cfg.data.seq_len % tensor == 0, "data.seq_len",
                    f"{cfg.data.seq_len} is not divisible by parallel.tensor={tensor} (sequence_parallel)")
-    check_context(cfg, known.get("context"), tensor)
-    check_expert(cfg, known.get("expert"))
+    check_context(cfg, known.get(CONTEXT), tensor)
+    check_expert(cfg, known.get(EXPERT))
     if all(a in known for a in BATCH_SPLIT):
-        dp = math.prod(known[a] for a in BATCH_SPLIT)
+        dp = data_parallel_size(known)
         split = "*".join(BATCH_SPLIT)
         if t.micro_batch_size is None:
-            _check(t.global_batch_size % dp == 0, "train.global_batch_size",
+            require(t.global_batch_size % dp == 0, "train.global_batch_size",
                    f"{t.global_batch_size} is not divisible by the data-parallel size ({split} = {dp})")
         else:
-            _check(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
+            require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
                    f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) x "
                    f"data-parallel size ({split} = {dp})")
         if stages is not None and stages > 1 and p.pipeline_schedule == "circular":
             mb = t.global_batch_size // (micro_batch_size(cfg, dp) * dp)
-            _check(mb >= stages, "train.micro_batch_size",
+            require(mb >= stages, "train.micro_batch_size",
                    f"the circular schedule needs at least parallel.stage={stages} micro batches per step; "
                    f"global_batch_size / (micro_batch_size x {' x '.join(BATCH_SPLIT)}) = {mb}")
 
@@ -144,66 +141,41 @@ class Layout:
     # ---------------------------------------------------------------------------------------- building
     @classmethod
     def build(cls, cfg: Config, devices: Optional[Sequence[jax.Device]] = None) -> "Layout":
-        """The layout of ``cfg`` on ``devices`` (default: all): every mesh-dependent check (and the kernels'
-        device checks) made once, a ``-1`` axis resolved, the mesh built. Raises :class:`ConfigError`."""
-        import jax
-
-        from jaxtron.parallel.mesh import mesh_for
-
+        """The layout of ``cfg`` on ``devices`` (default: all): the parallel checks made on the resolved sizes,
+        a ``-1`` axis resolved, the mesh built. Raises :class:`ConfigError`. The checks against the model's
+        kernels on these devices are :func:`jaxtron.preflight.check`'s."""
         devices = list(devices if devices is not None else jax.devices())
         layout = cls.planned(cfg, len(devices), devices[0].platform)
-        return cls(layout.sizes, layout.global_batch_size, layout.micro_batch_size, cfg.parallel,
-                   mesh_for([layout.sizes[a] for a in AXES], AXES, devices), devices[0].platform)
+        return dataclasses.replace(layout, mesh=mesh_for(layout.shape, AXES, devices))
 
     @classmethod
     def planned(cls, cfg: Config, num_devices: int, platform: Optional[str] = None) -> "Layout":
         """The layout of ``cfg`` on ``num_devices`` devices of ``platform`` without building a mesh (for the
-        planner's estimates and for validating before devices are set up)."""
-        from jaxtron.model import kernels
-
+        planner's estimates and for checking before devices are set up)."""
         sizes = resolve_sizes(cfg.parallel, num_devices)
         check_parallel(cfg, sizes)
-        dp = math.prod(sizes[a] for a in BATCH_SPLIT)
-        layout = cls(sizes, cfg.train.global_batch_size, micro_batch_size(cfg, dp), cfg.parallel, None, platform)
         if platform is not None:
-            check_expert(cfg, sizes["expert"], platform)
-            kernels.check(cfg, platform, num_devices=num_devices, micro_batch_size=layout.micro_batch_size,
-                          tensor=layout.tp)
-        return layout
+            check_expert(cfg, sizes[EXPERT], platform)
+        dp = data_parallel_size(sizes)
+        return cls(sizes, cfg.train.global_batch_size, micro_batch_size(cfg, dp), cfg.parallel, None, platform)
 
     @classmethod
-    def for_inference(cls, model_cfg, overrides: Sequence[str] = (), devices=None) -> "Layout":
-        """The layout of generation or evaluation of a model ``model_cfg`` with ``parallel.*`` ``overrides``
-        (e.g. ``["parallel.tensor=2"]``): data parallelism defaults to 1 and the mesh spans as many of
-        ``devices`` (default: all) as the sizes multiply to (all of them when one size is -1)."""
-        import dataclasses
-
-        import jax
-
-        from jaxtron.config.loading import load
-
-        bad = [o for o in overrides if not o.startswith("parallel.")]
-        if bad:
-            raise ConfigError(bad[0].split("=")[0], "only parallel.* overrides apply to generation/evaluation")
-        cfg = load(None, ["parallel.data=1", *overrides], validate_config=False)
-        cfg = dataclasses.replace(cfg, model=model_cfg)
-        sizes = configured_sizes(cfg.parallel)
+    def for_inference(cls, model_cfg: ModelConfig, parallel: ParallelConfig,
+                      devices: Optional[Sequence[jax.Device]] = None) -> "Layout":
+        """The layout of generation or evaluation of a model ``model_cfg`` laid out as ``parallel``: the mesh
+        spans as many of ``devices`` (default: all) as the sizes multiply to (all of them when one size is -1),
+        and the batch (the prompts) is one row per data-parallel replica."""
+        sizes = configured_sizes(parallel)
         devices = list(devices if devices is not None else jax.devices())
         if -1 not in sizes.values():
             devices = devices[:math.prod(sizes.values())]
-        dp = len(devices) // math.prod(v for v in sizes.values() if v != -1) if -1 in sizes.values() else \
-            math.prod(sizes[a] for a in BATCH_SPLIT)
-        cfg.train.global_batch_size, cfg.train.micro_batch_size = max(dp, 1), None  # batch: the prompts
-        return cls.build(cfg, devices)
+        dp = data_parallel_size(resolve_sizes(parallel, len(devices)))
+        train = dataclasses.replace(Config().train, global_batch_size=dp, micro_batch_size=None)
+        return cls.build(dataclasses.replace(Config(), model=model_cfg, parallel=parallel, train=train), devices)
 
     def place(self, module):
         """``module`` (an NNX module whose parameters carry logical names) with its parameters put in their
         shards on this layout's mesh."""
-        import jax
-        from flax import nnx
-
-        from jaxtron.parallel.sharding import param_shardings
-
         graphdef, state = nnx.split(module)
         shardings = param_shardings(state, self._mesh(), self.rules)
         placed = jax.tree.map(jax.device_put, state.to_pure_dict(), shardings)
@@ -222,7 +194,7 @@ class Layout:
     @property
     def dp(self) -> int:
         """Data-parallel size: the ways the batch is split (data x fsdp x expert)."""
-        return math.prod(self.sizes[a] for a in BATCH_SPLIT)
+        return data_parallel_size(self.sizes)
 
     @property
     def tp(self) -> int:
@@ -274,29 +246,19 @@ class Layout:
             text += f" context={self.sizes['context']} ({self.parallel.context_impl})"
         return text
 
-    def overrides(self) -> list[str]:
-        """The ``parallel.<axis>=<size>`` overrides that give this layout's mesh."""
-        return [f"parallel.{a}={self.sizes[a]}" for a in ("data", "fsdp", "expert", "context", "tensor", "stage")]
-
     # --------------------------------------------------------------------------------- rules, shardings
     @property
     def rules(self):
-        from jaxtron.parallel.rules import logical_rules
-
         return logical_rules(self.parallel)
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
         """The logical rules and this layout's mesh, for tracing the model (``constrain``, ``per_shard``)."""
-        from jaxtron.parallel.sharding import use_rules
-
         with use_rules(self.rules, self._mesh()):
             yield
 
     def sharding(self, names: Sequence[Optional[str]]) -> NamedSharding:
         """The sharding of an array whose axes have these logical names."""
-        from jaxtron.parallel.sharding import logical_to_sharding
-
         return logical_to_sharding(names, self._mesh(), self.rules)
 
     def _mesh(self) -> Mesh:
@@ -312,15 +274,11 @@ class Layout:
     def balance(self, batch: dict) -> dict:
         """The batch's sequences in the context-parallel load-balanced order (as is without context
         parallelism); see :mod:`jaxtron.parallel.context`."""
-        from jaxtron.parallel.context import balance
-
-        return balance(batch, self.sizes["context"])
+        return balance(batch, self.sizes[CONTEXT])
 
     def pipeline(self, for_eval: bool = False):
         """The :class:`~jaxtron.parallel.pipeline.PipelineSpec`, or None without pipeline stages. Evaluation
         (forward only) runs the 1f1b configuration through the gpipe loop."""
-        from jaxtron.parallel.pipeline import PipelineSpec
-
         if self.stages == 1:
             return None
         p = self.parallel

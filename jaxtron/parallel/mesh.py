@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtron.config.schema import Config, ConfigError, ParallelConfig
+from jaxtron.config.schema import ConfigError
 
 
 def _hybrid_mesh(shape: tuple[int, ...], axes: Sequence[str], devices) -> np.ndarray:
@@ -41,16 +41,3 @@ def mesh_for(shape: Sequence[int], axes: Sequence[str], devices: Sequence[jax.De
     else:
         dev_array = np.asarray(devices).reshape(shape)
     return Mesh(dev_array, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
-
-
-def build_mesh(parallel: ParallelConfig | Config, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """The mesh ``parallel`` (a whole :class:`~jaxtron.config.Config` or its ``parallel`` section; one axis may
-    be -1) describes over ``devices`` (default: all devices), axes in
-    :data:`jaxtron.parallel.layout.AXES` order."""
-    from jaxtron.parallel.layout import AXES, resolve_sizes
-
-    if isinstance(parallel, Config):
-        parallel = parallel.parallel
-    devices = list(devices if devices is not None else jax.devices())
-    sizes = resolve_sizes(parallel, len(devices))
-    return mesh_for([sizes[a] for a in AXES], AXES, devices)

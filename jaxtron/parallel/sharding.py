@@ -103,11 +103,6 @@ def devices_are_cpu() -> bool:
     return platform == "cpu" if platform else jax.default_backend() == "cpu"
 
 
-def kernel_interpret() -> bool:
-    """Whether Pallas GPU kernels must run in interpret mode (the devices are CPUs)."""
-    return devices_are_cpu()
-
-
 def per_shard(fn, in_names: Sequence, out_names):
     """``fn`` run on each device's shard (``jax.shard_map``): every argument and result is split as its
     logical names map under the current rules; mesh axes a name does not map to are replicated. ``out_names``

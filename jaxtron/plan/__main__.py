@@ -216,11 +216,13 @@ def main(argv=None) -> int:
         except RuntimeError:  # already initialized (called from Python): target_devices says what is missing
             pass
     from jaxtron import config as config_lib
+    from jaxtron import preflight
     from jaxtron.plan import plan, search
     from jaxtron.plan.gpus import get_gpu
 
     try:
         cfg = config_lib.load(args.config, args.overrides)
+        preflight.check(cfg)
         gpu = get_gpu(args.gpu).replace(
             peak_tflops=args.peak_tflops, fp8_peak_tflops=args.fp8_peak_tflops, hbm_gbps=args.hbm_gbps,
             nvlink_gbps=args.nvlink_gbps,

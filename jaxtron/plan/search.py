@@ -8,7 +8,9 @@ import itertools
 import time
 from typing import Optional, Sequence
 
-from jaxtron.config import Config, ConfigError
+from jaxtron import preflight
+from jaxtron.config import Config, ConfigError, validate
+from jaxtron.parallel.axes import DATA, EXPERT, FSDP, data_parallel_size
 from jaxtron.parallel.layout import Layout
 from jaxtron.plan import (PIPELINE_NOTE, check_moe_gemm, layout_overrides, plan, prepare_config,  # defined
                           target_devices)  # before jaxtron/plan/__init__.py imports this module
@@ -62,7 +64,7 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
         for expert, fsdp in [(e, f) for e in pm.divisors(rest) if e == 1 or (num_experts and num_experts % e == 0)
                              for f in pm.divisors(rest // e)]:
             data = rest // (expert * fsdp)
-            dp = data * fsdp * expert
+            dp = data_parallel_size({DATA: data, FSDP: fsdp, EXPERT: expert})
             if gbs % dp:
                 continue
             # a pipeline needs at least as many micro batches as stages
@@ -86,11 +88,9 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
 
 def _valid(cfg: Config, num_gpus: int) -> bool:
     """Whether a candidate passes config validation and the layout's checks (blockwise FP8's widths, ...)."""
-    from jaxtron.config.validation import validate
-
     try:
         validate(cfg)
-        Layout.planned(cfg, num_gpus)
+        preflight.check(cfg, Layout.planned(cfg, num_gpus))
     except (ConfigError, ValueError):
         return False
     return True

@@ -34,6 +34,8 @@ def main(argv=None) -> int:
         cfg = config_lib.load(args.config, args.overrides)
         from jaxtron.jax_startup import import_jax
         import_jax()  # quiet on a machine without a GPU
+        from jaxtron import preflight
+        preflight.check(cfg)  # the model's and the mesh's checks on the configured sizes, before any device
         from jaxtron.parallel.distributed import initialize
         initialize(cfg)  # before anything touches the devices
         from jaxtron.train.loop import run  # imports jax: after the config is known to be good

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtron.config import Config
-from jaxtron.model import Llama
+from jaxtron.model.llama import Llama
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.sharding import param_shardings
 
@@ -64,7 +64,7 @@ def create_model(cfg: Config, mesh: Optional[Mesh] = None, devices=None, layout:
     """A freshly initialized :class:`~jaxtron.model.Llama` (seed ``train.seed``, the init a training run
     starts from) whose parameters are created directly in their shards: on ``layout``, else on ``mesh``, else
     on the layout ``cfg.parallel`` describes over ``devices`` (default all devices). Call it under
-    ``layout.tracing()`` (or ``jax.set_mesh(mesh)`` and ``jaxtron.parallel.use_rules``) to keep activations
+    ``layout.tracing()`` (or ``jax.set_mesh(mesh)`` and ``jaxtron.parallel.sharding.use_rules``) to keep activations
     sharded too; outside them it runs as GSPMD propagates from the parameters."""
     if layout is None:
         layout = Layout.build(cfg, devices if mesh is None else list(mesh.devices.flat))
