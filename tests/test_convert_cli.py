@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 from jaxtron import config as config_lib  # noqa: E402
 from jaxtron.checkpoint import load_params  # noqa: E402
 from jaxtron.convert import hf  # noqa: E402
+from jaxtron.convert.model_tree import abstract_model  # noqa: E402
 from helpers import cpu_xla_flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +86,7 @@ def imported(hf_model, tmp_path_factory):
 
 
 def _abstract_params(model_cfg) -> dict:
-    _, abstract = hf._abstract_model(model_cfg)
+    _, abstract = abstract_model(model_cfg)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                         nnx.to_pure_dict(abstract))

@@ -287,14 +287,14 @@ def test_without_expert_parallelism_each_device_runs_only_its_own_tokens():
     shard_map), so the step's matmul FLOPs per device are an eighth of one device's (GSPMD alone gathered the
     batch for the dropless sort and ran most of it on every device: 4.9 times the eighth here)."""
     from helpers import synthetic_batch
-    from jaxtron.plan import hlo
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.plan import hlo_counts
+    from jaxtron.train.trainer import Trainer, put_batch
 
     def flops(overrides, devices):
         cfg = tiny_config(*EP_MOE, "model.num_layers=2", "train.global_batch_size=8", *overrides)
         trainer = Trainer(cfg, devices)
         batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
-        return hlo.dot_flops(trainer.train_step.lower(trainer.state, batch).compile().as_text())["total"]
+        return hlo_counts.dot_flops(trainer.train_step.lower(trainer.state, batch).compile().as_text())["total"]
 
     one, eight = flops(("parallel.data=1",), jax.devices()[:1]), flops(("parallel.data=8",), jax.devices())
     assert eight == pytest.approx(one / 8, rel=0.02), (one, eight)

@@ -248,10 +248,13 @@ def reexports(modules) -> list[str]:
     for name, module in modules.items():
         root = _root_of(module)
         in_all, used = _all_names(module.tree), _used_names(module.tree)
+        lines = module.path.read_text().splitlines()
         for node in _top_level_imports(module.tree):
             if isinstance(node, ast.ImportFrom) and node.module == "__future__":
                 continue
             base = _from_base(module, node) if isinstance(node, ast.ImportFrom) else None
+            if not module.is_package and any("noqa: F401" in line for line in lines[node.lineno - 1:node.end_lineno]):
+                out.append(f"{module.where(node, root)} silences F401, the mark of a re-export")
             for alias in node.names:
                 if alias.name == "*":
                     out.append(f"{module.where(node, root)} imports * from {base}")
@@ -353,6 +356,7 @@ def test_the_check_sees_a_reexport_shim(tmp_path):
     })
     assert violations(root, ("pkg",))["re-exports or unused imports"] == [
         "pkg/b.py:1 imports f (from pkg.a) and never uses it",
+        "pkg/b.py:1 silences F401, the mark of a re-export",
         "pkg/b.py:2 imports json (from json) and never uses it",
         "pkg/c.py:1 re-exports f (from pkg.a) in __all__",
         "pkg/sub/__init__.py:2 imports f (from pkg.a) and never uses it"]

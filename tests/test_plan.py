@@ -16,7 +16,7 @@ from conftest import FAST_COMPILE
 from helpers import xla_gpu_plugin_version
 from jaxtron.parallel.layout import Layout
 from jaxtron import config as config_lib
-from jaxtron.plan import get_gpu, hlo, plan, search
+from jaxtron.plan import get_gpu, hlo, hlo_counts, plan, search
 from jaxtron.plan import model as pm
 from jaxtron.plan import moe as pmoe
 
@@ -169,13 +169,13 @@ def test_search_never_recommends_a_layout_that_does_not_fit():
 
 
 def test_no_silent_cpu_fallback_without_the_plugin(monkeypatch):
-    import jaxtron.plan as plan_mod
+    from jaxtron.plan import target as plan_target
 
-    monkeypatch.setattr(plan_mod, "cuda_plugin_matches", lambda: False)
+    monkeypatch.setattr(plan_target, "cuda_plugin_matches", lambda: False)
     for backend in ("auto", "gpu"):
-        with pytest.raises(plan_mod.CompilerUnavailable, match=r'pip install -e "\.\[plan\]"'):
-            plan_mod.target_devices(get_gpu("h100"), 8, backend)
-    devices, backend, notes = plan_mod.target_devices(get_gpu("h100"), 8, "cpu")  # only when asked for
+        with pytest.raises(plan_target.CompilerUnavailable, match=r'pip install -e "\.\[plan\]"'):
+            plan_target.target_devices(get_gpu("h100"), 8, backend)
+    devices, backend, notes = plan_target.target_devices(get_gpu("h100"), 8, "cpu")  # only when asked for
     assert backend == "cpu" and len(devices) == 8 and "indicative only" in notes[0]
 
 
@@ -192,9 +192,9 @@ def _main(capsys, monkeypatch, *argv):
 
 
 def test_cli_without_the_plugin_says_so_in_one_line(capsys, monkeypatch):
-    import jaxtron.plan as plan_mod
+    from jaxtron.plan import target as plan_target
 
-    monkeypatch.setattr(plan_mod, "cuda_plugin_matches", lambda: False)
+    monkeypatch.setattr(plan_target, "cuda_plugin_matches", lambda: False)
     rc, out, err = _main(capsys, monkeypatch, *SMALL[:2], "--num-gpus", "8", *SMALL[2:])  # overrides both sides
     assert rc == 2 and out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("error: the planner needs the XLA:GPU compiler") and '.[plan]' in err
@@ -271,7 +271,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {
   ROOT %a = f32[4]{0} add(%cp-done, %cp-done.1)
 }
 """
-    pairs = hlo.async_overlap(text)
+    pairs = hlo_counts.async_overlap(text)
     assert [(p["start"], p["compute_between"]) for p in pairs] == [("cp-start", ["f"]), ("cp-start.1", [])]
 
 

@@ -166,12 +166,13 @@ def test_grouped_matmul_kernels_are_timed_as_gemms():
 def test_search_candidates_try_fp8_recipes_only_when_asked_and_drop_invalid_ones():
     """--search-fp8: the recipes become a search axis; blockwise candidates whose tensor split cuts a 128-wide
     tile are invalid and dropped before ranking; without it every candidate keeps the config's recipe."""
-    from jaxtron.plan import _valid, candidate_configs
+    from jaxtron.plan import candidate_configs
+    from jaxtron.plan.search import passes_checks
     from test_plan import _cfg
 
     cfg = _cfg()
     assert {c.model.fp8 for c in candidate_configs(cfg, 8)} == {"none"}
-    cands = [c for c in candidate_configs(cfg, 8, fp8_recipes=["none", "current", "blockwise"]) if _valid(c, 8)]
+    cands = [c for c in candidate_configs(cfg, 8, fp8_recipes=["none", "current", "blockwise"]) if passes_checks(c, 8)]
     assert {c.model.fp8 for c in cands} == {"none", "current", "blockwise"}
     blockwise = [c for c in cands if c.model.fp8 == "blockwise"]
     # kv heads x head_dim = 4 x 32 = 128: one tile, so blockwise never splits it over tensor
@@ -220,11 +221,11 @@ def test_search_compiles_the_best_of_each_stage_count_before_the_rest():
     count's best candidate before filling its budget in the closed form's order."""
     from types import SimpleNamespace
 
-    from jaxtron.plan import _to_compile
+    from jaxtron.plan.search import to_compile
 
     cands = [SimpleNamespace(name=n, parallel=SimpleNamespace(stage=s))
              for n, s in (("a", 1), ("b", 1), ("c", 1), ("d", 2), ("e", 1), ("f", 4), ("g", 2))]
     scored = [(float(i), c) for i, c in enumerate(cands)]
-    assert [c.name for c in _to_compile(scored, 5)] == ["a", "d", "f", "b", "c"]
-    assert [c.name for c in _to_compile(scored, 2)] == ["a", "d"]
-    assert [c.name for c in _to_compile(scored, 10)] == ["a", "d", "f", "b", "c", "e", "g"]
+    assert [c.name for c in to_compile(scored, 5)] == ["a", "d", "f", "b", "c"]
+    assert [c.name for c in to_compile(scored, 2)] == ["a", "d"]
+    assert [c.name for c in to_compile(scored, 10)] == ["a", "d", "f", "b", "c", "e", "g"]

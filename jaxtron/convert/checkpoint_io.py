@@ -21,7 +21,8 @@ from typing import Any, Optional
 import yaml
 
 from jaxtron import config as config_lib
-from jaxtron.convert import hf_tokenizer
+from jaxtron.convert.hf import tokenizer as hf_tokenizer
+from jaxtron.convert.model_tree import abstract_model, model_from_params
 from jaxtron.data import tokenizer_record
 
 CONFIG_YAML = "config.yaml"
@@ -61,11 +62,11 @@ def import_hf(hf_dir: str, out: str, dtype: str = "float32") -> config_lib.Confi
         raise ValueError(f"--out: {out} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):
         raise ValueError(f"--out: {out} is not empty (refusing to overwrite; choose a new directory)")
-    hf_config, config_path = hf._read_config(hf_dir)
+    hf_config, config_path = hf.read_config(hf_dir)
     model_cfg = dataclasses.replace(hf.config_from_hf(hf_config, source=config_path), param_dtype=dtype)
     tok_rec = hf_tokenizer.record_from_folder(hf_dir, hf_config)
     cfg = dataclasses.replace(config_lib.Config(), model=model_cfg)
-    params = hf.params_from_hf(model_cfg, hf._SafetensorsFiles(hf_dir))  # numpy, in param_dtype
+    params = hf.params_from_hf(model_cfg, hf.SafetensorsFiles(hf_dir))  # numpy, in param_dtype
     ckpt = Checkpointer(out, keep=1, async_save=False)
     try:
         meta = {"source": "hf", "hf_dir": hf_dir}
@@ -124,7 +125,6 @@ def read_checkpoint(path: str) -> tuple[config_lib.Config, Any, dict, str]:
     from jax.sharding import SingleDeviceSharding
 
     from jaxtron.checkpoint import Checkpointer, resolve_weights_path
-    from jaxtron.convert import hf
 
     if not os.path.exists(path):
         raise ValueError(f"--checkpoint: {os.path.abspath(path)} does not exist")
@@ -134,7 +134,7 @@ def read_checkpoint(path: str) -> tuple[config_lib.Config, Any, dict, str]:
         where = ckpt.step_dir(step)
         meta = ckpt.restore_meta(step)
         cfg = _config_from_meta(meta, where)
-        _, abstract = hf._abstract_model(cfg.model)
+        _, abstract = abstract_model(cfg.model)
         sharding = SingleDeviceSharding(_host_device())
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                               nnx.to_pure_dict(abstract))
@@ -146,17 +146,13 @@ def read_checkpoint(path: str) -> tuple[config_lib.Config, Any, dict, str]:
 
 def export_hf(path: str, out: str, dtype: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> str:
     """Write the checkpoint at ``path`` as a Hugging Face folder ``out``; returns the step directory read."""
-    from flax import nnx
-
     from jaxtron.convert import hf
 
     out = os.path.abspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out} exists and is not a directory")
     cfg, params, meta, where = read_checkpoint(path)
-    graphdef, abstract = hf._abstract_model(cfg.model)
-    nnx.replace_by_pure_dict(abstract, params)
-    model = nnx.merge(graphdef, abstract)
+    model = model_from_params(cfg.model, params)
     rec = meta.get("tokenizer")
     # the longest sequence the model is known for (an old import: unknown, config_to_hf's default)
     maxpos = meta.get("max_positions") or (None if meta.get("source") == "hf" else cfg.data.seq_len)

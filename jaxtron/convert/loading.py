@@ -9,7 +9,8 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+from jaxtron.convert.model_tree import model_from_params
 
 
 def is_hf_folder(path: str) -> bool:
@@ -52,7 +53,7 @@ def load_for_inference(path: str, dtype: Optional[str] = None) -> Loaded:
         raise ValueError(f"--checkpoint: {os.path.abspath(path)} does not exist")
     if is_hf_folder(path):
         cfg, model = hf.load(path, dtype=dtype)  # HF configs always get the xla reference kernels
-        hf_config, _ = hf._read_config(path)
+        hf_config, _ = hf.read_config(path)
         maxpos = hf_config.get("max_position_embeddings")
         return Loaded(cfg, model, "hf", {}, os.path.abspath(path), None, int(maxpos) if maxpos else None)
     from jaxtron.convert.checkpoint_io import read_checkpoint
@@ -62,10 +63,8 @@ def load_for_inference(path: str, dtype: Optional[str] = None) -> Loaded:
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=jnp.dtype(dtype).name)
     cfg = _host_friendly(cfg)
-    graphdef, abstract = hf._abstract_model(cfg)
-    nnx.replace_by_pure_dict(abstract, params)
     # an import records its HF max_position_embeddings; a checkpoint of an older jaxtron only its seq_len,
     # which for an import is the default config's and says nothing about the model (None: no limit known)
     maxpos = meta.get("max_positions") or (None if meta.get("source") == "hf" else full_cfg.data.seq_len)
-    return Loaded(cfg, nnx.merge(graphdef, abstract), "jaxtron", meta, os.path.dirname(where),
+    return Loaded(cfg, model_from_params(cfg, params), "jaxtron", meta, os.path.dirname(where),
                   full_cfg.data.seq_len, maxpos)

@@ -1,7 +1,7 @@
 """python -m jaxtron.plan --config configs/llama3_70b.yaml --gpu h100 --num-gpus 64 [--search] [--json] [overrides]
 
 Compiles the train step ahead of time for a cluster of GPUs (no GPU needed) and prints per device memory,
-FLOPs, collective traffic and a roofline step time and MFU. See jaxtron/plan/__init__.py and model.py.
+FLOPs, collective traffic and a roofline step time and MFU. See jaxtron/plan/report.py and model.py.
 """
 
 from __future__ import annotations

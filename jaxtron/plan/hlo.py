@@ -36,13 +36,13 @@ DTYPE_BYTES = {
 _SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_CALLEE_RE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation|"
+CALLEE_RE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation|"
                         r"async_execution_thread_computation)=%?([\w.\-]+)")
 _LIST_CALLEE_RE = re.compile(r"\b(?:called_computations|branch_computations|calls)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
-_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
-_DOT_LHS_RE = re.compile(r"dot\(\s*([a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+)")
-_LHS_CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+DOT_LHS_RE = re.compile(r"dot\(\s*([a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+)")
+LHS_CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
 def shape_bytes(shape: str) -> float:
@@ -239,7 +239,7 @@ def parse_module(text: str) -> HloModule:
     for comp, instrs in comps.items():
         for _name, _shape, opcode, op_rest in instrs:
             trip = while_trip_count(mod, comp, op_rest) if opcode == "while" else 1.0
-            for key, callee in _CALLEE_RE.findall(op_rest):
+            for key, callee in CALLEE_RE.findall(op_rest):
                 factor = 1.0
                 if opcode == "while":
                     factor = trip if key == "body" else trip + 1
@@ -286,10 +286,10 @@ def unknown_trip_counts(mod: HloModule) -> list[str]:
 
 
 def _trip_from_condition(mod: HloModule, comp: str, rest: str) -> Optional[float]:
-    cond = dict(_CALLEE_RE.findall(rest)).get("condition", "")
+    cond = dict(CALLEE_RE.findall(rest)).get("condition", "")
     body = mod.computations.get(cond, [])
     if body and body[-1][2] == "fusion":
-        body = mod.computations.get(dict(_CALLEE_RE.findall(body[-1][3])).get("calls", ""), [])
+        body = mod.computations.get(dict(CALLEE_RE.findall(body[-1][3])).get("calls", ""), [])
     if not body or body[-1][2] != "compare":
         return None
     root = body[-1][3]
@@ -314,7 +314,7 @@ def _trip_from_condition(mod: HloModule, comp: str, rest: str) -> Optional[float
 
 def branch_computations(rest: str) -> list[str]:
     """A ``conditional``'s branch computations, from its text after the opcode."""
-    callees = dict(_CALLEE_RE.findall(rest))
+    callees = dict(CALLEE_RE.findall(rest))
     out = [c for lst in _LIST_CALLEE_RE.findall(rest) for c in re.findall(r"%?([\w.\-]+)", lst)]
     return out + [c for k, c in callees.items() if k in ("true_computation", "false_computation")]
 
@@ -354,13 +354,13 @@ def collectives(text: str, num_devices: int) -> list[CollectiveOp]:
                 gsize = groups.shape[1]
             else:
                 gsize = num_devices
-            op_name = _OP_NAME_RE.search(rest)
+            op_name = OP_NAME_RE.search(rest)
             ops.append(CollectiveOp(name, kind, comp, shape_bytes(res), gsize, count, groups, pairs,
                                     op_name.group(1) if op_name else ""))
     return ops
 
 
-def _dims(shape: str) -> list[int]:
+def shape_dims(shape: str) -> list[int]:
     m = _SHAPE_RE.search(shape)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
@@ -376,7 +376,3 @@ def summarize(ops: Sequence[CollectiveOp]) -> dict[str, dict]:
         d["wire_bytes"] += op.wire_bytes * op.count
     return out
 
-
-# what a module computes (dots, kernels, async overlap) lives in jaxtron/plan/hlo_counts.py
-from jaxtron.plan.hlo_counts import (COMPUTE_OPCODES, async_overlap, dot_flops, dot_operand_types,  # noqa: E402,F401
-                                     kernel_calls)

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from jaxtron.plan.hlo import (_DOT_LHS_RE, _LHS_CONTRACTING_RE, _OP_NAME_RE, _dims,
+from jaxtron.plan.hlo import (DOT_LHS_RE, LHS_CONTRACTING_RE, OP_NAME_RE, shape_dims,
                               parse_module)
 
 
@@ -23,15 +23,15 @@ def dot_flops(text: str, marker: str = "ragged_dot") -> dict[str, float]:
         count = mult.get(comp, 0.0)
         shapes = {name: shape for name, shape, _op, _rest in instrs}
         for _name, shape, opcode, rest in instrs:
-            lhs = _DOT_LHS_RE.match(rest) if opcode == "dot" and count else None
+            lhs = DOT_LHS_RE.match(rest) if opcode == "dot" and count else None
             if lhs is None:
                 continue
-            lhs_dims = _dims(lhs.group(1) or shapes.get(lhs.group(2), ""))
-            contracting = _LHS_CONTRACTING_RE.search(rest)
+            lhs_dims = shape_dims(lhs.group(1) or shapes.get(lhs.group(2), ""))
+            contracting = LHS_CONTRACTING_RE.search(rest)
             k = np.prod([lhs_dims[int(i)] for i in contracting.group(1).split(",") if i]) if contracting else 1
-            flops = 2.0 * float(np.prod(_dims(shape))) * float(k) * count
+            flops = 2.0 * float(np.prod(shape_dims(shape))) * float(k) * count
             total += flops
-            op_name = _OP_NAME_RE.search(rest)
+            op_name = OP_NAME_RE.search(rest)
             marked += flops if op_name and re.search(marker, op_name.group(1)) else 0.0
     return {"total": total, "marked": marked}
 
@@ -75,17 +75,17 @@ def dot_operand_types(text: str, marker: str = "") -> dict[str, dict]:
         shapes = {name: shape for name, shape, _op, _rest in instrs}
         for _name, shape, opcode, rest in instrs:
             m = re.match(r"dot\(([^)]*)\)", rest) if opcode == "dot" else None
-            op_name = _OP_NAME_RE.search(rest) if m and marker else None
+            op_name = OP_NAME_RE.search(rest) if m and marker else None
             if m is None or (marker and not (op_name and re.search(marker, op_name.group(1)))):
                 continue
             names = [x.strip().lstrip("%") for x in m.group(1).split(",")]
             key = " x ".join(shapes.get(x, "?").split("[")[0] for x in names)
-            contracting = _LHS_CONTRACTING_RE.search(rest)
-            lhs = _dims(shapes.get(names[0], ""))
+            contracting = LHS_CONTRACTING_RE.search(rest)
+            lhs = shape_dims(shapes.get(names[0], ""))
             k = np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i]) if contracting and lhs else 1
             entry = out.setdefault(key, {"dots": 0, "flops": 0.0})
             entry["dots"] += 1
-            entry["flops"] += 2.0 * float(np.prod(_dims(shape))) * float(k)
+            entry["flops"] += 2.0 * float(np.prod(shape_dims(shape))) * float(k)
     return out
 
 

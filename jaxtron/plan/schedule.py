@@ -56,7 +56,7 @@ class Schedule:
 
     def _transfer(self, comp: str, name: str, opcode: str, rest: str) -> float:
         if opcode == "async-start":  # the collective is the wrapped computation's instruction
-            callee = dict(hlo._CALLEE_RE.findall(rest)).get("calls", "")
+            callee = dict(hlo.CALLEE_RE.findall(rest)).get("calls", "")
             return sum(self.collective_s.get((callee, n), 0.0) for n, *_ in self.mod.computations.get(callee, []))
         return self.collective_s.get((comp, name), 0.0)
 
@@ -119,7 +119,7 @@ class Schedule:
         return self.run(body, first["leftover"]) if first["unmatched"] and first["leftover"] else first
 
     def _control(self, comp: str, opcode: str, rest: str) -> dict:
-        callees = dict(hlo._CALLEE_RE.findall(rest))
+        callees = dict(hlo.CALLEE_RE.findall(rest))
         if opcode == "while":
             trip = hlo.while_trip_count(self.mod, comp, rest)
             body, cond = self._loop_body(callees.get("body", "")), self.run(callees.get("condition", ""))
@@ -140,7 +140,7 @@ class Schedule:
             if secs <= 0:
                 continue
             opcode, rest = instr.get((comp, name), ("?", ""))
-            op_name = hlo._OP_NAME_RE.search(rest)
+            op_name = hlo.OP_NAME_RE.search(rest)
             out.append({"collective": opcode.replace("-start", ""), "instruction": name,
                         "op": op_name.group(1)[-80:] if op_name else "", "seconds": secs * mult.get(comp, 0.0)})
         return sorted(out, key=lambda w: -w["seconds"])[:n]

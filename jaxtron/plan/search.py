@@ -12,8 +12,8 @@ from jaxtron import preflight
 from jaxtron.config import Config, ConfigError, validate
 from jaxtron.parallel.axes import DATA, EXPERT, FSDP, data_parallel_size
 from jaxtron.parallel.layout import Layout
-from jaxtron.plan import (PIPELINE_NOTE, check_moe_gemm, layout_overrides, plan, prepare_config,  # defined
-                          target_devices)  # before jaxtron/plan/__init__.py imports this module
+from jaxtron.plan.report import PIPELINE_NOTE, check_moe_gemm, layout_overrides, plan
+from jaxtron.plan.target import prepare_config, target_devices
 from jaxtron.plan import model as pm
 from jaxtron.plan import moe as pmoe
 from jaxtron.plan.gpus import GpuSpec
@@ -86,7 +86,7 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
     return out
 
 
-def _valid(cfg: Config, num_gpus: int) -> bool:
+def passes_checks(cfg: Config, num_gpus: int) -> bool:
     """Whether a candidate passes config validation and the layout's checks (blockwise FP8's widths, ...)."""
     try:
         validate(cfg)
@@ -96,7 +96,7 @@ def _valid(cfg: Config, num_gpus: int) -> bool:
     return True
 
 
-def _to_compile(scored: list, max_compiles: int) -> list:
+def to_compile(scored: list, max_compiles: int) -> list:
     """The candidates to compile: the closed form's best of each pipeline stage count first (the closed form
     cannot see what the step model counts in a schedule, so each stage count gets one compiled verdict), then
     the closed form's order; ``max_compiles`` in all."""
@@ -112,7 +112,7 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
            top: int = 5, margin: float = 1.15, log=None, moe_gemm: str = "as_compiled",
            fp8_recipes: Optional[Sequence[str]] = None) -> dict:
     """Try layouts: closed-form memory prunes (estimate > ``margin`` x usable memory), a closed-form step time
-    orders the rest, and ``max_compiles`` are compiled (:func:`_to_compile`); those whose compiled peak does
+    orders the rest, and ``max_compiles`` are compiled (:func:`to_compile`); those whose compiled peak does
     not fit are dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`)."""
     check_moe_gemm(moe_gemm)
     t0 = time.perf_counter()
@@ -121,7 +121,7 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
     else:
         backend, notes = ("gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"), []
     cands = [c for c in candidate_configs(cfg, num_gpus, gpu.gpus_per_node, fp8_recipes=fp8_recipes)
-             if _valid(c, num_gpus)]
+             if passes_checks(c, num_gpus)]
     scored, pruned = [], 0
     for c in cands:
         cc, _ = prepare_config(c, backend)
@@ -133,7 +133,7 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
         scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus, moe_gemm), c))
     scored.sort(key=lambda x: x[0])
     results, rejected = [], []
-    for c in _to_compile(scored, max_compiles):
+    for c in to_compile(scored, max_compiles):
         try:
             r = plan(c, gpu, num_gpus, backend, devices, moe_gemm=moe_gemm)
         except Exception as err:  # noqa: BLE001 - a layout that does not compile is reported, not fatal

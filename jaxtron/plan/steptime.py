@@ -70,7 +70,7 @@ def _dot_dims(rest: str, lhs: list[int], rhs: list[int]) -> tuple[int, int, int,
 
 
 def _callee(mod, rest: str) -> list:
-    callee = hlo._CALLEE_RE.search(rest)
+    callee = hlo.CALLEE_RE.search(rest)
     return mod.computations.get(callee.group(2), []) if callee else []
 
 
@@ -175,7 +175,7 @@ class _Walk:
 
     def dot(self, shape: str, rest: str, shapes: dict) -> dict:
         gpu, ops = self.gpu, _operands(rest)
-        m, n, k, batch = _dot_dims(rest, *(hlo._dims(shapes.get(o, "")) for o in ops[:2]))
+        m, n, k, batch = _dot_dims(rest, *(hlo.shape_dims(shapes.get(o, "")) for o in ops[:2]))
         fp8 = any(shapes.get(o, "").startswith("f8") for o in ops[:2]) and bool(gpu.fp8_peak_tflops)
         moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in ops[:2]) + hlo.shape_bytes(shape)
         t = gemm_time(m, n, k, batch, gpu.fp8_peak_tflops if fp8 else gpu.peak_tflops, gpu.hbm_gbps, moved,
@@ -191,8 +191,8 @@ class _Walk:
         kind = _KERNEL_GEMM.search(rest)
         if not kind:
             return None
-        ops = [hlo._dims(shapes.get(o, "")) for o in _operands(rest)]
-        out = hlo._dims(shape)
+        ops = [hlo.shape_dims(shapes.get(o, "")) for o in _operands(rest)]
+        out = hlo.shape_dims(shape)
         if kind.group(1) == "fp8_blockwise_matmul":
             m, n, k, fp8 = out[0], out[1], ops[0][-1], True
         elif kind.group(1) == "tgmm":   # [G, K, N] from rows [M, K] and [M, N]: K x N over the M rows
@@ -222,7 +222,7 @@ class _Walk:
         if opcode == "dot":
             return self.dot(shape, rest, shapes)
         if opcode == "fusion":
-            inner = self.comp(dict(hlo._CALLEE_RE.findall(rest)).get("calls", ""), fused=True)
+            inner = self.comp(dict(hlo.CALLEE_RE.findall(rest)).get("calls", ""), fused=True)
             if inner.get("gemm_count"):
                 return inner
             return {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)}
@@ -244,7 +244,7 @@ class _Walk:
         instrs = self.mod.computations.get(name, [])
         shapes = {n: sh for n, sh, _op, _r in instrs}
         for _n, shape, opcode, rest in instrs:
-            callees = dict(hlo._CALLEE_RE.findall(rest))
+            callees = dict(hlo.CALLEE_RE.findall(rest))
             if fused:   # inside a fusion only its GEMMs count: the fusion's bytes are counted at its call
                 if opcode == "fusion":
                     _add(st, self.comp(callees.get("calls", ""), fused=True))

@@ -4,35 +4,33 @@
     cfg, model = jaxtron.convert.hf.load("path/to/Llama-3.1-8B", dtype="float32")
     jaxtron.convert.hf.save(model, "out/hf")          # AutoModelForCausalLM.from_pretrained("out/hf") loads it
 
-The config mapping lives in :mod:`jaxtron.convert.hf_config` (:func:`config_from_hf`, :func:`config_to_hf`), the
-weight mapping and the safetensors files in :mod:`jaxtron.convert.hf_weights` (:func:`params_from_hf`,
-:func:`params_to_hf`, with the table of how each Hugging Face tensor maps onto a jaxtron parameter); this module
-puts them together and re-exports their public names."""
+The package: :mod:`.config` maps config.json onto a :class:`~jaxtron.config.ModelConfig` and back
+(:func:`config_from_hf`, :func:`config_to_hf`), :mod:`.weights` maps the tensors (:func:`params_from_hf`,
+:func:`params_to_hf`, with the table of how each Hugging Face tensor maps onto a jaxtron parameter), :mod:`.moe`
+the experts' names, :mod:`.files` reads and writes the safetensors files, :mod:`.tokenizer` carries the
+tokenizer across a conversion. :func:`load` and :func:`save` below put them together."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from jaxtron.config import ModelConfig
-from jaxtron.convert.hf_config import (ARCHITECTURES, CONFIG_NAME, MODEL_TYPES, _read_config,  # noqa: F401
-                                       config_from_hf, config_to_hf)
-from jaxtron.convert.hf_weights import (INDEX_NAME, WEIGHTS_NAME, _abstract_model, _iter_params_from_hf,  # noqa: F401
-                                        _plan_shards, _remove_old_weights, _SafetensorsFiles, _tree_set,
-                                        params_from_hf, params_to_hf)
+from jaxtron.convert.hf import files
+from jaxtron.convert.hf.config import ARCHITECTURES, CONFIG_NAME, MODEL_TYPES, config_from_hf, config_to_hf, read_config
+from jaxtron.convert.hf.files import INDEX_NAME, WEIGHTS_NAME, SafetensorsFiles
+from jaxtron.convert.hf.weights import params_from_hf, params_to_hf
+from jaxtron.convert.model_tree import abstract_model, model_from_params
+from jaxtron.model.llama import Llama
 
-if TYPE_CHECKING:
-    from jaxtron.model.llama import Llama
-
-__all__ = ["ARCHITECTURES", "CONFIG_NAME", "INDEX_NAME", "MODEL_TYPES", "WEIGHTS_NAME", "config_from_hf",
-           "config_to_hf", "load", "params_from_hf", "params_to_hf", "save"]
+__all__ = ["ARCHITECTURES", "CONFIG_NAME", "INDEX_NAME", "MODEL_TYPES", "WEIGHTS_NAME", "SafetensorsFiles",
+           "config_from_hf", "config_to_hf", "load", "params_from_hf", "params_to_hf", "read_config", "save"]
 
 
 def load(hf_dir: str, dtype: Optional[str] = None, param_dtype: Optional[str] = None
@@ -43,19 +41,15 @@ def load(hf_dir: str, dtype: Optional[str] = None, param_dtype: Optional[str] = 
     are kept in (default float32); ``load(dir, dtype="float32")`` gives an fp32 model.
     The model is built abstractly (``nnx.eval_shape``) and the checkpoint's arrays are merged in, so no
     random weights are allocated. Raises ValueError naming the key/tensor and file on any mismatch."""
-    hf, config_path = _read_config(hf_dir)
+    hf, config_path = read_config(hf_dir)
     cfg = config_from_hf(hf, source=config_path)
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v is not None}
     for k, v in overrides.items():
         overrides[k] = v if v == "auto" else jnp.dtype(v).name
     cfg = dataclasses.replace(cfg, **overrides)
-    tensors = _SafetensorsFiles(hf_dir)
-    graphdef, abstract = _abstract_model(cfg)
-    params: dict = {}
-    for path, arr in _iter_params_from_hf(cfg, tensors, abstract):
-        _tree_set(params, path, jnp.asarray(arr))
-    nnx.replace_by_pure_dict(abstract, params)
-    return cfg, nnx.merge(graphdef, abstract)
+    graphdef, abstract = abstract_model(cfg)
+    params = params_from_hf(cfg, SafetensorsFiles(hf_dir), abstract, convert=jnp.asarray)
+    return cfg, model_from_params(cfg, params, graphdef, abstract)
 
 
 
@@ -76,20 +70,7 @@ def save(model: Llama, hf_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: 
     hf_config.update(extra_config or {})
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tensors = params_to_hf(cfg, params)
-    shards = _plan_shards(tensors, max_shard_bytes, out_dtype.itemsize)
-
     os.makedirs(hf_dir, exist_ok=True)
-    _remove_old_weights(hf_dir)
     with open(os.path.join(hf_dir, CONFIG_NAME), "w") as f:
         json.dump(hf_config, f, indent=2)
-    weight_map, total = {}, 0
-    for k, names in enumerate(shards):
-        fname = WEIGHTS_NAME if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        chunk = {n: np.ascontiguousarray(tensors[n], dtype=out_dtype) for n in names}
-        save_file(chunk, os.path.join(hf_dir, fname), metadata={"format": "pt"})
-        total += sum(a.nbytes for a in chunk.values())
-        weight_map.update(dict.fromkeys(names, fname))
-        del chunk
-    if len(shards) > 1:
-        with open(os.path.join(hf_dir, INDEX_NAME), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    files.write(tensors, hf_dir, max_shard_bytes, out_dtype)

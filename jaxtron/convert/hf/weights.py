@@ -1,4 +1,4 @@
-"""Hugging Face safetensors <-> jaxtron parameters: the weight mapping, its checks, and the safetensors files.
+"""Hugging Face tensors <-> jaxtron parameters: the weight mapping and its checks (the files: :mod:`.files`).
 
 Weight layout. Hugging Face ``nn.Linear`` weights are ``[out, in]``; jaxtron keeps ``[in, ...out]`` with the
 heads split out, and stacks every decoder-block weight on a leading ``[num_layers]`` axis:
@@ -35,7 +35,7 @@ model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight  layers.mlp.w_down    x[
 and in Qwen3-MoE (``Qwen3MoeForCausalLM``, with Qwen3's Q/K norms) ``mlp.gate.weight`` and
 ``mlp.experts.{j}.{gate,up,down}_proj.weight`` in their place. jaxtron stacks the decoder layers by kind
 (``dense_layers``; ``layers``, or ``layers.dense_{s}`` and ``layers.moe`` with model.moe.layer_freq > 1): the
-``x[i]`` above is then the scanned unit of that stack holding HF layer ``i`` (:func:`hf_moe.layer_blocks`).
+``x[i]`` above is then the scanned unit of that stack holding HF layer ``i`` (:func:`jaxtron.convert.hf.moe.layer_blocks`).
 
 jaxtron's RoPE uses the same rotate-half convention as Hugging Face, so q/k weights need no permutation.
 Every mapping above is a reshape plus a transpose, i.e. a *view*: :func:`params_to_hf` returns views of
@@ -46,32 +46,17 @@ jaxtron array, so neither direction holds more than one extra copy of a weight.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from jaxtron.config import ModelConfig
-from jaxtron.convert.hf_moe import layer_blocks, moe_weight_names
+from jaxtron.convert.hf.moe import layer_blocks, moe_weight_names
+from jaxtron.convert.model_tree import abstract_model
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-
-# safetensors dtype strings that numpy itself cannot represent (read through ml_dtypes instead).
-_ML_DTYPES = {
-    "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
-}
 # HF checkpoint tensors that carry no weights (buffers some old checkpoints saved).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -187,14 +172,6 @@ def _tree_set(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graph and an abstract state (shapes and dtypes only; no weights are allocated)."""
-    from jaxtron.model.llama import Llama
-
-    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    return nnx.split(abstract)
-
-
 def params_to_hf(cfg: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
     """HF tensors (name -> array) from a jaxtron pure param dict
     (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``).
@@ -285,113 +262,17 @@ def _iter_params_from_hf(cfg: ModelConfig, tensors: Mapping, abstract: nnx.State
         yield spec.path, _fill_from_hf(spec, _hf_names(cfg, spec), tuple(leaf.shape), dtype, tensors)
 
 
-def params_from_hf(cfg: ModelConfig, tensors: Mapping) -> dict:
-    """A jaxtron pure param dict (numpy arrays in ``cfg.param_dtype``) from HF tensors (name -> array).
+def params_from_hf(cfg: ModelConfig, tensors: Mapping, abstract: Optional[nnx.State] = None,
+                   convert: Callable[[np.ndarray], Any] = lambda a: a) -> dict:
+    """A jaxtron pure param dict (numpy arrays in ``cfg.param_dtype``, each passed through ``convert`` as it is
+    read: ``jnp.asarray`` keeps one host copy of a weight at a time) from HF tensors (name -> array).
+    ``abstract``: the model's abstract state, if the caller has it (:func:`abstract_model`).
 
     ``tensors`` may be any mapping, including a lazy one. Raises ValueError naming the tensor for a missing
     tensor, a wrong shape, or a tensor the config does not account for."""
     params: dict = {}
-    _, abstract = _abstract_model(cfg)
+    if abstract is None:
+        _, abstract = abstract_model(cfg)
     for path, arr in _iter_params_from_hf(cfg, tensors, abstract):
-        _tree_set(params, path, arr)
+        _tree_set(params, path, convert(arr))
     return params
-
-
-class _SafetensorsFiles(Mapping):
-    """Lazy name -> numpy array over a HF folder's ``model.safetensors`` or sharded
-    ``model-*.safetensors`` + ``model.safetensors.index.json``. Tensors are read when indexed."""
-
-    def __init__(self, hf_dir: str):
-        index = os.path.join(hf_dir, INDEX_NAME)
-        single = os.path.join(hf_dir, WEIGHTS_NAME)
-        self._handles: dict[str, Any] = {}
-        self._keys: dict[str, set[str]] = {}
-        self._headers: dict[str, tuple[int, dict]] = {}
-        if os.path.exists(index):
-            self.source = index
-            with open(index) as f:
-                try:
-                    weight_map = json.load(f)["weight_map"]
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
-                    raise ValueError(f"{index}: not a safetensors index ({err})") from None
-            self._files = {name: os.path.join(hf_dir, fname) for name, fname in weight_map.items()}
-            for path in set(self._files.values()):
-                if not os.path.exists(path):
-                    raise ValueError(f"{index}: shard {os.path.basename(path)} does not exist")
-        elif os.path.exists(single):
-            self.source = single
-            self._open(single)
-            self._files = dict.fromkeys(sorted(self._keys[single]), single)
-        else:
-            raise ValueError(f"{hf_dir}: neither {WEIGHTS_NAME} nor {INDEX_NAME} exists")
-
-    def _open(self, path: str):
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="np")
-            self._keys[path] = set(self._handles[path].keys())
-        return self._handles[path]
-
-    def _header(self, path: str) -> tuple[int, dict]:
-        if path not in self._headers:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                self._headers[path] = (8 + n, json.loads(f.read(n)))
-        return self._headers[path]
-
-    def file_of(self, name: str) -> str:
-        return self._files.get(name, self.source)
-
-    def _handle_for(self, name: str):
-        path = self._files[name]
-        handle = self._open(path)
-        if name not in self._keys[path]:
-            raise ValueError(f"{self.source}: tensor {name} is listed for {os.path.basename(path)} but that "
-                             f"file does not hold it")
-        return path, handle
-
-    def shape_of(self, name: str) -> list[int]:
-        """The tensor's shape from the file header (no data is read)."""
-        return self._handle_for(name)[1].get_slice(name).get_shape()
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        path, handle = self._handle_for(name)
-        dtype = handle.get_slice(name).get_dtype()
-        if dtype not in _ML_DTYPES:
-            return handle.get_tensor(name)
-        # numpy has no bfloat16/float8: map the bytes through ml_dtypes (read-only, no copy).
-        start, header = self._header(path)
-        entry = header[name]
-        begin, _ = entry["data_offsets"]
-        return np.memmap(path, dtype=_ML_DTYPES[dtype], mode="r", offset=start + begin,
-                         shape=tuple(entry["shape"]))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._files
-
-
-def _plan_shards(tensors: Mapping[str, np.ndarray], max_shard_bytes: int, itemsize: int) -> list[list[str]]:
-    """Group tensor names (in order) into shards of at most ``max_shard_bytes``; a bigger tensor gets a
-    shard of its own."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, arr in tensors.items():
-        nbytes = math.prod(arr.shape) * itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def _remove_old_weights(hf_dir: str) -> None:
-    """Delete weight files an earlier save may have left (a stale index or shard would shadow new ones)."""
-    for fname in os.listdir(hf_dir):
-        if fname in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(fname):
-            os.remove(os.path.join(hf_dir, fname))

@@ -1,6 +1,6 @@
 """The Mixture-of-Experts side of the Hugging Face mapping: ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``
 config keys <-> :class:`~jaxtron.config.schema.MoEConfig`, the checks for MoE configs a HF class cannot hold,
-and which HF decoder layer each jaxtron layer stack holds (for the weights, :mod:`jaxtron.convert.hf_weights`).
+and which HF decoder layer each jaxtron layer stack holds (for the weights, :mod:`jaxtron.convert.hf.weights`).
 
 Layer kinds. Qwen3-MoE layer ``i`` is MoE when ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step
 == 0``; jaxtron's layer ``i >= first_dense_layers`` is MoE when ``(i - first_dense_layers + 1) % layer_freq ==

@@ -1,6 +1,6 @@
 """Hugging Face config.json <-> jaxtron :class:`~jaxtron.config.ModelConfig`: the supported architectures
 (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
-``Qwen3MoeForCausalLM``; the MoE keys in :mod:`jaxtron.convert.hf_moe`), RoPE (default and
+``Qwen3MoeForCausalLM``; the MoE keys in :mod:`jaxtron.convert.hf.moe`), RoPE (default and
 llama3 scaling, in the transformers 4 and 5 spellings), the checks for options jaxtron's model does not implement,
 and the reverse mapping."""
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
 from jaxtron.config.schema import MoEConfig
-from jaxtron.convert.hf_moe import (MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, check_moe_export, check_moe_hf,
+from jaxtron.convert.hf.moe import (MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, check_moe_export, check_moe_hf,
                                     moe_from_hf, moe_to_hf)
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -248,7 +248,8 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
         hf.update(attention_bias=False)
     return hf
 
-def _read_config(hf_dir: str) -> tuple[dict, str]:
+def read_config(hf_dir: str) -> tuple[dict, str]:
+    """(config.json of the Hugging Face folder ``hf_dir`` as a dict, its path); ValueError naming the file."""
     path = os.path.join(hf_dir, CONFIG_NAME)
     try:
         with open(path) as f:

@@ -1,0 +1,109 @@
+"""The planner's compile target: abstract XLA:GPU devices of a GPU kind (or CPU devices, asked for by name),
+the config as it compiles there (GPU-only kernels swapped for stand-ins), and the train step compiled for them."""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+from typing import Optional, Sequence
+
+import jax
+
+from jaxtron.config import Config
+from jaxtron.plan.gpus import GpuSpec
+
+INSTALL = 'pip install -e ".[plan]"'
+
+
+class CompilerUnavailable(RuntimeError):
+    """The XLA:GPU compiler cannot be used here (no matching ``jax-cuda12-plugin``, or no topology)."""
+
+
+def cuda_plugin_version() -> Optional[str]:
+    try:
+        return importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cuda_plugin_matches() -> bool:
+    return cuda_plugin_version() == jax.__version__
+
+
+def topology_string(num_gpus: int, gpus_per_node: int) -> str:
+    """``get_topology_desc`` takes 'slices x hosts x devices per host'."""
+    if num_gpus <= gpus_per_node:
+        return f"1x1x{num_gpus}"
+    if num_gpus % gpus_per_node:
+        raise ValueError(f"--num-gpus {num_gpus} is not a multiple of --gpus-per-node {gpus_per_node}")
+    return f"1x{num_gpus // gpus_per_node}x{gpus_per_node}"
+
+
+def target_devices(gpu: GpuSpec, num_gpus: int, backend: str = "auto") -> tuple[list, str, list[str]]:
+    """(devices, 'gpu' or 'cpu', notes). 'gpu' (and 'auto'): abstract XLA:GPU devices from the GPU's target
+    config, or :class:`CompilerUnavailable` saying how to install the compiler; 'cpu': N CPU devices and a note
+    that the memory figures are indicative only. There is no silent fallback to the CPU compiler."""
+    if backend in ("auto", "gpu"):
+        if not cuda_plugin_matches():
+            v = cuda_plugin_version()
+            have = f"jax-cuda12-plugin {v} does not match jax {jax.__version__}" if v else \
+                "jax-cuda12-plugin is not installed"
+            raise CompilerUnavailable(
+                f"the planner needs the XLA:GPU compiler ({have}): install it with {INSTALL} (or pip install "
+                f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}); --backend cpu gives "
+                "indicative CPU-compiler figures instead")
+        shape = topology_string(num_gpus, gpu.gpus_per_node)
+        try:
+            from jax.experimental import topologies
+
+            topo = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=gpu.target_config())
+            return list(topo.devices), "gpu", []
+        except Exception as err:  # noqa: BLE001 - one line
+            raise CompilerUnavailable(
+                f"XLA:GPU topology unavailable ({str(err).splitlines()[0][:200]}); is "
+                "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax is imported? (python -m jaxtron.plan sets it)"
+            ) from None
+    notes = [f"compiled with the CPU compiler on {num_gpus} virtual devices (--backend cpu); memory "
+             "figures are indicative only (CPU scheduling and fusion differ from XLA:GPU)"]
+    cpus = jax.devices("cpu")
+    if len(cpus) < num_gpus:
+        raise RuntimeError(f"the CPU compiler needs {num_gpus} CPU devices, this process has {len(cpus)}: set "
+                           f"XLA_FLAGS=--xla_force_host_platform_device_count={num_gpus} before jax starts "
+                           "(python -m jaxtron.plan does this)")
+    return cpus[:num_gpus], "cpu", notes
+
+
+def prepare_config(cfg: Config, backend: str) -> tuple[Config, list[str]]:
+    """The config as it is compiled for the target: GPU-only kernels that cannot be compiled here swapped."""
+    cfg = copy.deepcopy(cfg)
+    notes = []
+    m = cfg.model
+    if m.dtype == "auto":
+        m.dtype = "bfloat16"
+    if backend == "gpu" and m.attention_impl == "cudnn":
+        m.attention_impl = "pallas"
+        notes.append("attention: cuDNN cannot be compiled without cuDNN libraries; planned with jaxtron's Pallas "
+                     "flash attention (same O(seq) memory)")
+    if backend == "cpu":
+        if m.attention_impl != "xla":
+            notes.append(f"attention: {m.attention_impl} -> xla for the CPU compile (materializes seq x seq "
+                         "scores: activation memory is overestimated)")
+            m.attention_impl = "xla"
+        m.rope_impl = m.mlp_impl = "xla"
+    return cfg, notes
+
+
+# XLA:GPU rewrites large sorts (the MoE dispatch's argsort) into CUB radix sorts, whose scratch size it asks the
+# CUDA runtime for at compile time; without CUDA libraries that fails, so the planner compiles XLA's own sort.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+SORT_NOTE = ("sorts compiled with XLA's sort kernel instead of CUB radix sort (CUB needs the CUDA runtime at "
+             "compile time): the MoE dispatch's argsort scratch may differ slightly on the cluster")
+
+
+def compile_step(cfg: Config, devices: Sequence):
+    """(compiled, abstract state spec, layout): the same program as ``jaxtron.train.aot``."""
+    from jaxtron.train.aot import lower_train_step_with_spec
+
+    lowered, spec, layout = lower_train_step_with_spec(cfg, list(devices))
+    gpu = devices[0].platform in ("gpu", "cuda")
+    return lowered.compile(compiler_options=GPU_COMPILER_OPTIONS if gpu else None), spec, layout
