@@ -25,6 +25,7 @@ from jaxtron.data.tokenizers import ByteLevelTokenizer  # noqa: E402
 from jaxtron.generate import __main__ as generate_cli  # noqa: E402
 from jaxtron.generate import generate, generate_no_cache, nucleus_mask, sample_logits  # noqa: E402
 from helpers import cpu_xla_flags  # noqa: E402
+from hf_helpers import hf_greedy, randomize_torch  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8], [7, 1, 99]]  # different lengths: left padding is exercised
@@ -43,11 +44,7 @@ def _hf_model(arch: str, vocab: int):
     model = model.float().eval()
     model.generation_config.eos_token_id = None  # no early stop in transformers' reference generation
     model.generation_config.pad_token_id = 0
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
+    randomize_torch(model)
     return model
 
 
@@ -62,18 +59,9 @@ def pair(request, tmp_path_factory):
     return arch, hf_model, path, model
 
 
-def _hf_greedy(hf_model, prompt, new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                                eos_token_id=None, pad_token_id=0)
-    assert out.shape[1] == len(prompt) + new
-    return out[0, len(prompt):].tolist()
-
-
 def test_greedy_matches_transformers(pair):
     _, hf_model, _, model = pair
-    expected = [_hf_greedy(hf_model, p, NEW) for p in PROMPTS]
+    expected = [hf_greedy(hf_model, p, NEW) for p in PROMPTS]
     out = generate(model, PROMPTS, max_new_tokens=NEW)  # batched, left-padded, KV cache
     assert out.tokens.shape == (2, NEW) and out.tokens.dtype == np.int32
     assert out.lengths.tolist() == [NEW, NEW]
@@ -176,7 +164,7 @@ def test_cli_on_jaxtron_checkpoint(jaxtron_ckpt):
     assert [r["prompt"] for r in lines] == prompts
     for r, p in zip(lines, prompts):
         ids = tok.encode(p)
-        expected = _hf_greedy(hf_model, ids, 6)  # byte tokenizer, greedy: transformers' own answer
+        expected = hf_greedy(hf_model, ids, 6)  # byte tokenizer, greedy: transformers' own answer
         if 0 in expected:  # EOD (byte 0) stops the row
             expected = expected[:expected.index(0) + 1]
         assert r["tokens"] == expected

@@ -4,9 +4,8 @@ Every model is tiny (d=64, 2 layers, vocab 128) and everything runs in fp32 on C
 re-randomized at std 0.1 (norm scales around 1, non-zero biases) so that logits are O(1) and a swapped or
 mis-transposed weight cannot hide behind a near-zero init.
 
-Tolerance: rtol=1e-4 with atol=1e-5. Two fp32 implementations of the same network differ by summation
-order only (observed max |diff| ~1e-6 on logits of size ~1); the small atol is there because a relative
-tolerance alone is meaningless for the logits that happen to be within ~1e-2 of zero.
+Tolerance: tests/hf_helpers.py (rtol=1e-4, atol=1e-5 on logits, with the reason); its helpers are shared with
+the other Hugging Face tests.
 """
 
 from __future__ import annotations
@@ -26,32 +25,17 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
+from hf_helpers import (FFN, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, assert_logits_close, hf_logits,  # noqa: E402
+                        jax_logits, jaxtron_model, random_tokens, randomize_torch)
 from jaxtron.config import ModelConfig, RopeScalingConfig  # noqa: E402
 from jaxtron.convert import hf  # noqa: E402
 from jaxtron.model.layers import rope_frequencies  # noqa: E402
-from jaxtron.model.llama import Llama  # noqa: E402
 
-VOCAB, HIDDEN, FFN, LAYERS, HEADS = 128, 64, 96, 2, 4
-BATCH, SEQ = 2, 16
-RTOL, ATOL = 1e-4, 1e-5
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def _tokens(seq: int = SEQ, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, size=(BATCH, seq), dtype=np.int64)
-
-
-def _randomize_torch(model, seed: int = 0) -> None:
-    """Weights ~ N(0, 0.1), norm scales ~ 1 + N(0, 0.2), biases ~ N(0, 0.1); ties stay tied (in place)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # a tied lm_head is the embedding, listed once
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
 
 
 def _hf_model(arch: str, *, kv_heads: int, tie: bool, rope_scaling=None, rope_theta: float = 10000.0):
@@ -64,42 +48,8 @@ def _hf_model(arch: str, *, kv_heads: int, tie: bool, rope_scaling=None, rope_th
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
     model = model.float().eval()
-    _randomize_torch(model)
+    randomize_torch(model)
     return model
-
-
-def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens)).logits.float().numpy()
-
-
-_forward = nnx.jit(lambda model, tokens: model(tokens))  # one compile per distinct config
-
-
-def _jax_logits(model: Llama, tokens: np.ndarray) -> np.ndarray:
-    return np.asarray(_forward(model, jnp.asarray(tokens, jnp.int32)))
-
-
-def _assert_close(actual, expected) -> None:
-    np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=ATOL)
-
-
-def _jaxtron_model(seed: int = 1, **overrides) -> Llama:
-    """A random fp32 jaxtron model with O(1) weights (see module docstring), built like ``hf.load`` builds
-    one: abstract model + real arrays (numpy randoms are much faster than eager jax.random on CPU)."""
-    cfg = ModelConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
-                                num_kv_heads=2, intermediate_size=FFN, dtype="float32", param_dtype="float32",
-                                remat="none"), **overrides})
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        noise = rng.standard_normal(leaf.shape).astype(np.float32)
-        is_norm = any("norm" in str(getattr(p, "key", "")) for p in path)
-        return jnp.asarray(1.0 + 0.2 * noise if is_norm else 0.1 * noise)
-
-    nnx.replace_by_pure_dict(state, jax.tree.map_with_path(draw, nnx.to_pure_dict(state)))
-    return nnx.merge(graphdef, state)
 
 
 # ------------------------------------------------------------------------------- HF -> jaxtron parity
@@ -123,7 +73,7 @@ def test_hf_to_jaxtron_logits(case, tmp_path):
     arch, kv_heads, tie, rope_scaling, theta, seq = PARITY_CASES[case]
     hf_model = _hf_model(arch, kv_heads=kv_heads, tie=tie, rope_scaling=rope_scaling, rope_theta=theta)
     hf_model.save_pretrained(tmp_path)
-    tokens = _tokens(seq)
+    tokens = random_tokens(seq)
 
     cfg, model = hf.load(str(tmp_path), dtype="float32")
 
@@ -138,7 +88,7 @@ def test_hf_to_jaxtron_logits(case, tmp_path):
         hf_bq = hf_model.model.layers[1].self_attn.q_proj.bias.detach().numpy()
         np.testing.assert_array_equal(bq[1].reshape(-1), hf_bq)
         assert np.abs(bq).max() > 0.05
-    _assert_close(_jax_logits(model, tokens), _hf_logits(hf_model, tokens))
+    assert_logits_close(jax_logits(model, tokens), hf_logits(hf_model, tokens))
 
 
 def test_hf_sharded_bfloat16_checkpoint(tmp_path):
@@ -155,8 +105,8 @@ def test_hf_sharded_bfloat16_checkpoint(tmp_path):
         str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
     q = hf_model.model.layers[1].self_attn.q_proj.weight.detach().numpy()
     np.testing.assert_array_equal(np.asarray(model.layers.attention.wq[...])[1].reshape(HIDDEN, -1).T, q)
-    tokens = _tokens()
-    _assert_close(_jax_logits(model, tokens), _hf_logits(hf_model, tokens))
+    tokens = random_tokens()
+    assert_logits_close(jax_logits(model, tokens), hf_logits(hf_model, tokens))
 
 
 def test_llama3_rope_case_exercises_every_scaling_branch():
@@ -187,7 +137,7 @@ ROUND_TRIP_CASES = {
 
 @pytest.mark.parametrize("case", list(ROUND_TRIP_CASES))
 def test_jaxtron_to_hf_round_trip(case, tmp_path):
-    model = _jaxtron_model(**ROUND_TRIP_CASES[case])
+    model = jaxtron_model(**ROUND_TRIP_CASES[case])
     hf.save(model, str(tmp_path))
     assert os.path.exists(tmp_path / "model.safetensors")
     assert not os.path.exists(tmp_path / "model.safetensors.index.json")
@@ -200,9 +150,9 @@ def test_jaxtron_to_hf_round_trip(case, tmp_path):
     hf_model.eval()
     assert hf_model.dtype == torch.float32
     assert hf_model.config.tie_word_embeddings is model.cfg.tie_embeddings
-    tokens = _tokens(48)  # longer than original_max_position_embeddings=32 for the llama3 case
-    expected = _jax_logits(model, tokens)
-    _assert_close(_hf_logits(hf_model, tokens), expected)
+    tokens = random_tokens(48)  # longer than original_max_position_embeddings=32 for the llama3 case
+    expected = jax_logits(model, tokens)
+    assert_logits_close(hf_logits(hf_model, tokens), expected)
 
     # ... and back: config and weights survive HF -> jaxtron exactly.
     cfg2, model2 = hf.load(str(tmp_path), dtype="float32")
@@ -212,7 +162,7 @@ def test_jaxtron_to_hf_round_trip(case, tmp_path):
 
 
 def test_sharded_save_loads_in_transformers_and_jaxtron(tmp_path):
-    model = _jaxtron_model()
+    model = jaxtron_model()
     hf.save(model, str(tmp_path), max_shard_bytes=60_000)  # the whole model is ~180 kB in fp32
     with open(tmp_path / "model.safetensors.index.json") as f:
         index = json.load(f)
@@ -225,12 +175,12 @@ def test_sharded_save_loads_in_transformers_and_jaxtron(tmp_path):
     assert index["metadata"]["total_size"] == sum(
         a.nbytes for s in shards for a in load_file(str(tmp_path / s)).values())
 
-    tokens = _tokens()
-    expected = _jax_logits(model, tokens)
+    tokens = random_tokens()
+    expected = jax_logits(model, tokens)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager")
-    _assert_close(_hf_logits(hf_model.eval(), tokens), expected)
+    assert_logits_close(hf_logits(hf_model.eval(), tokens), expected)
     _, model2 = hf.load(str(tmp_path), dtype="float32")
-    _assert_close(_jax_logits(model2, tokens), expected)
+    assert_logits_close(jax_logits(model2, tokens), expected)
 
     # A second, unsharded save into the same folder must not leave the stale index behind.
     hf.save(model, str(tmp_path))
@@ -239,7 +189,7 @@ def test_sharded_save_loads_in_transformers_and_jaxtron(tmp_path):
 
 def test_bfloat16_save_and_load(tmp_path):
     """bf16 files: numpy cannot read them through safetensors' numpy API; they go through ml_dtypes."""
-    model = _jaxtron_model()
+    model = jaxtron_model()
     hf.save(model, str(tmp_path), dtype="bfloat16")
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["dtype"] == "bfloat16"

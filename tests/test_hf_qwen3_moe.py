@@ -17,9 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from jaxtron.config.schema import MoEConfig  # noqa: E402
 from jaxtron.convert import hf  # noqa: E402
-from test_generate import _hf_greedy  # noqa: E402
-from test_hf_parity import (HEADS, HIDDEN, _assert_close, _hf_logits, _jax_logits, _jaxtron_model,  # noqa: E402
-                            _randomize_torch, _tokens)
+from hf_helpers import (HEADS, HIDDEN, assert_logits_close, hf_greedy, hf_logits, jax_logits,  # noqa: E402
+                        jaxtron_model, random_tokens, randomize_torch)
 
 EXPERTS, TOP_K, EXPERT_FFN, FFN, VOCAB, HEAD_DIM = 8, 2, 24, 40, 131, 24  # head_dim * heads != hidden
 
@@ -32,7 +31,7 @@ def _hf_qwen3_moe(*, tie=False, norm_topk=True, layers=2, step=1, mlp_only=()):
         mlp_only_layers=list(mlp_only), tie_word_embeddings=tie, rms_norm_eps=1e-5, max_position_embeddings=256,
         rope_theta=1e6, attn_implementation="eager")
     model = transformers.Qwen3MoeForCausalLM(config).float().eval()
-    _randomize_torch(model)
+    randomize_torch(model)
     return model
 
 
@@ -58,7 +57,7 @@ def test_qwen3_moe_hf_to_jaxtron_logits(case, tmp_path):
     if layout == (0, 1):  # expert 5's gate_proj of layer 1 (transformers fuses [gate; up] in memory)
         hf_gate = hf_model.model.layers[1].mlp.experts.gate_up_proj.detach().numpy()[5, :EXPERT_FFN]
         np.testing.assert_array_equal(np.asarray(model.layers.mlp.w_gate[...])[1, 5].T, hf_gate)
-    _assert_close(_jax_logits(model, _tokens()), _hf_logits(hf_model, _tokens()))
+    assert_logits_close(jax_logits(model, random_tokens()), hf_logits(hf_model, random_tokens()))
 
 
 ROUND_TRIP_CASES = {
@@ -73,7 +72,7 @@ def test_qwen3_moe_jaxtron_to_hf_round_trip(case, tmp_path):
     c = ROUND_TRIP_CASES[case]
     moe = MoEConfig(num_experts=EXPERTS, num_experts_per_token=TOP_K, expert_intermediate_size=EXPERT_FFN,
                     first_dense_layers=c["first_dense_layers"], layer_freq=c["layer_freq"], norm_topk_prob=c["norm"])
-    model = _jaxtron_model(moe=moe, qk_norm=True, num_layers=c["num_layers"], tie_embeddings=c["tie"],
+    model = jaxtron_model(moe=moe, qk_norm=True, num_layers=c["num_layers"], tie_embeddings=c["tie"],
                            vocab_size=VOCAB, head_dim=HEAD_DIM, intermediate_size=FFN)
     hf.save(model, str(tmp_path))
     with open(tmp_path / "config.json") as f:
@@ -84,8 +83,8 @@ def test_qwen3_moe_jaxtron_to_hf_round_trip(case, tmp_path):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager")
     hf_model.eval()
     assert type(hf_model).__name__ == "Qwen3MoeForCausalLM"
-    tokens = _tokens(24)
-    _assert_close(_hf_logits(hf_model, tokens), _jax_logits(model, tokens))
+    tokens = random_tokens(24)
+    assert_logits_close(hf_logits(hf_model, tokens), jax_logits(model, tokens))
     cfg2, model2 = hf.load(str(tmp_path), dtype="float32")
     assert cfg2 == dataclasses.replace(model.cfg, remat=cfg2.remat)
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model2, nnx.Param)),
@@ -101,13 +100,13 @@ def test_imported_qwen3_moe_greedy_generation_matches_transformers(tmp_path):
     hf_model.save_pretrained(tmp_path)
     _, model = hf.load(str(tmp_path), dtype="float32")
     prompts, new = [[5, 9, 17, 3, 44, 2, 8], [7, 1, 99]], 10
-    expected = [_hf_greedy(hf_model, p, new) for p in prompts]
+    expected = [hf_greedy(hf_model, p, new) for p in prompts]
     assert generate(model, prompts, max_new_tokens=new).rows() == expected
 
 
 def _hf_config(**change) -> dict:
     moe = MoEConfig(num_experts=EXPERTS, num_experts_per_token=TOP_K, expert_intermediate_size=EXPERT_FFN)
-    config = hf.config_to_hf(dataclasses.replace(_jaxtron_model().cfg, moe=moe, qk_norm=True))
+    config = hf.config_to_hf(dataclasses.replace(jaxtron_model().cfg, moe=moe, qk_norm=True))
     config.update(change)
     return config
 
@@ -129,7 +128,7 @@ def test_unsupported_qwen3_moe_config_is_refused_in_one_line(change, pattern):
 
 def test_moe_export_picks_the_architecture_by_qk_norm():
     moe = MoEConfig(num_experts=EXPERTS, num_experts_per_token=TOP_K, expert_intermediate_size=EXPERT_FFN)
-    cfg = dataclasses.replace(_jaxtron_model().cfg, moe=moe)
+    cfg = dataclasses.replace(jaxtron_model().cfg, moe=moe)
     assert hf.config_to_hf(cfg)["architectures"] == ["MixtralForCausalLM"]
     assert hf.config_to_hf(dataclasses.replace(cfg, qk_norm=True))["architectures"] == ["Qwen3MoeForCausalLM"]
     cases = [

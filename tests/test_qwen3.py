@@ -26,8 +26,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import synthetic_batch, tiny_config  # noqa: E402
-from test_generate import _hf_greedy  # noqa: E402
-from test_hf_parity import _assert_close, _hf_logits, _jax_logits, _randomize_torch  # noqa: E402
+from hf_helpers import assert_logits_close, hf_greedy, hf_logits, jax_logits, randomize_torch  # noqa: E402
 
 from jaxtron.config import ModelConfig  # noqa: E402
 from jaxtron.convert import hf  # noqa: E402
@@ -48,7 +47,7 @@ def _hf_qwen3(tie: bool, **extra):
                                                                          "rope_theta": 1e6},
         attn_implementation="eager", **extra)
     model = transformers.Qwen3ForCausalLM(config).float().eval()
-    _randomize_torch(model)  # q_norm/k_norm scales ~ 1 + N(0, 0.2): a dropped or swapped norm shows
+    randomize_torch(model)  # q_norm/k_norm scales ~ 1 + N(0, 0.2): a dropped or swapped norm shows
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -80,14 +79,14 @@ def test_hf_to_jaxtron_logits(imported, tie):
     k_norm = hf_model.model.layers[1].self_attn.k_norm.weight.detach().numpy()
     np.testing.assert_array_equal(np.asarray(model.layers.attention.k_norm.scale[...])[1], k_norm)
     tokens = _tokens()
-    _assert_close(_jax_logits(model, tokens), _hf_logits(hf_model, tokens))
+    assert_logits_close(jax_logits(model, tokens), hf_logits(hf_model, tokens))
 
 
 def test_greedy_generation_matches_transformers(imported):
     """jaxtron's batched, left-padded KV-cache decoding goes through the same normalized attention. (Untied
     only: tying changes the logits alone, which the parity test covers; each model costs two compiles.)"""
     hf_model, _, model = imported(False)
-    expected = [_hf_greedy(hf_model, p, 8) for p in PROMPTS]
+    expected = [hf_greedy(hf_model, p, 8) for p in PROMPTS]
     assert generate(model, PROMPTS, max_new_tokens=8).rows() == expected
 
 
@@ -119,8 +118,8 @@ def test_jaxtron_to_hf_and_back(tie, tmp_path):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager")
     assert type(hf_model).__name__ == "Qwen3ForCausalLM" and hf_model.config.tie_word_embeddings is tie
     tokens = _tokens()
-    expected = _jax_logits(model, tokens)
-    _assert_close(_hf_logits(hf_model.eval(), tokens), expected)
+    expected = jax_logits(model, tokens)
+    assert_logits_close(hf_logits(hf_model.eval(), tokens), expected)
 
     cfg2, model2 = hf.load(str(tmp_path), dtype="float32")
     assert cfg2 == model.cfg
@@ -135,12 +134,12 @@ def test_qk_norm_is_applied_to_q_and_k_before_rope():
     tokens = _tokens()
     for qk_norm in (True, False):
         model = _random_model(qk_norm=qk_norm)
-        before = _jax_logits(model, tokens)
+        before = jax_logits(model, tokens)
         model.layers.attention.wq[...] = 7.0 * model.layers.attention.wq[...]
         model.layers.attention.wk[...] = 3.0 * model.layers.attention.wk[...]
-        after = _jax_logits(model, tokens)
+        after = jax_logits(model, tokens)
         if qk_norm:
-            _assert_close(after, before)
+            assert_logits_close(after, before)
         else:
             assert np.abs(after - before).max() > 1e-2
 
