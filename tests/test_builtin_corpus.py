@@ -8,7 +8,9 @@ import pytest
 from helpers import tiny_config
 from jaxtron.config import ConfigError
 from jaxtron.data import IndexedDataset
-from jaxtron.data.builtin import EOD, BuiltinCorpus, prepare_builtin, stdlib_root
+from jaxtron.data.builtin import prepare_builtin, stdlib_root
+from jaxtron.data.corpus import BuiltinCorpus
+from jaxtron.data.tokenizers import BYTE_EOD as EOD
 
 
 def test_builtin_corpus_is_prepared_once_as_indexed_files(tmp_path):

@@ -2,12 +2,12 @@
 
 ``python -m jaxtron.data.prepare`` turns JSONL or text into ``.bin/.idx`` files."""
 
-from jaxtron.data.builtin import BuiltinCorpus, ByteTokenizer
+from jaxtron.data.corpus import BuiltinCorpus
 from jaxtron.data.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype, merge
 from jaxtron.data.blending import BlendedDataset, parse_data_paths
 from jaxtron.data.gpt_dataset import GPTDataset, build_sample_index, split_documents
-from jaxtron.data.tokenizers import TokenizerError, load_tokenizer
+from jaxtron.data.tokenizers import ByteLevelTokenizer, TokenizerError, load_tokenizer
 
-__all__ = ["BuiltinCorpus", "ByteTokenizer", "IndexedDataset", "IndexedDatasetError", "IndexedDatasetWriter",
+__all__ = ["BuiltinCorpus", "ByteLevelTokenizer", "IndexedDataset", "IndexedDatasetError", "IndexedDatasetWriter",
            "best_dtype", "merge", "TokenizerError", "load_tokenizer", "BlendedDataset", "parse_data_paths",
            "GPTDataset", "build_sample_index", "split_documents"]

@@ -1,6 +1,6 @@
-"""The built-in corpus: this Python installation's standard-library ``.py`` sources, a real text corpus
-present on every machine, with a byte-level tokenizer (vocab 256, token 0 = end of document; NUL bytes do
-not occur in Python sources).
+"""The built-in corpus's files: this Python installation's standard-library ``.py`` sources, a real text
+corpus present on every machine, with the byte-level tokenizer (vocab 256, token 0 = end of document; NUL
+bytes do not occur in Python sources). :class:`jaxtron.data.corpus.BuiltinCorpus` reads them.
 
 It goes through the same path as any Megatron dataset: the first run writes the documents (each followed by
 an end-of-document token) as ``.bin/.idx`` files into a cache directory (``data.cache_dir``, default
@@ -20,24 +20,11 @@ import zlib
 
 import numpy as np
 
-from jaxtron.config import Config, ConfigError, DataConfig
-from jaxtron.data.corpus import IndexedCorpus
+from jaxtron.config import ConfigError, DataConfig
 from jaxtron.data.indexed import IndexedDatasetWriter, idx_path
+from jaxtron.data.tokenizers import BYTE_EOD
 
-EOD = 0
 FORMAT_VERSION = 2
-
-
-class ByteTokenizer:
-    vocab_size = 256
-    eod = EOD
-
-    def encode(self, text: str | bytes) -> np.ndarray:
-        data = text.encode("utf-8") if isinstance(text, str) else text
-        return np.frombuffer(data, dtype=np.uint8)
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if int(i) != EOD).decode("utf-8", errors="replace")
 
 
 def stdlib_root() -> str:
@@ -106,7 +93,7 @@ def prepare_builtin(cfg: DataConfig) -> dict[str, str]:
                 continue
             rel = os.path.relpath(path, root).encode()
             name = "valid" if zlib.crc32(rel) % 10_000 < threshold else "train"
-            writers[name].add_document(np.frombuffer(data + bytes([EOD]), dtype=np.uint8))
+            writers[name].add_document(np.frombuffer(data + bytes([BYTE_EOD]), dtype=np.uint8))
             counts[name] += 1
         if not counts["train"] or not counts["valid"]:
             raise ConfigError("data.max_corpus_bytes", f"data.source=builtin found too little text under {root} "
@@ -120,12 +107,3 @@ def prepare_builtin(cfg: DataConfig) -> dict[str, str]:
         w.finalize()
     return prefixes
 
-
-class BuiltinCorpus(IndexedCorpus):
-    def __init__(self, cfg: Config):
-        prefixes = prepare_builtin(cfg.data)
-        self.prefixes = prefixes
-        from jaxtron.data.tokenizer_record import BYTE_RECORD
-
-        super().__init__(cfg, sources={name: [(1.0, p)] for name, p in prefixes.items()}, eod_id=EOD,
-                         prepared_with=BYTE_RECORD)

@@ -9,10 +9,13 @@ from typing import Iterator, Optional
 import numpy as np
 
 from jaxtron.config import Config, ConfigError
+from jaxtron.data import tokenizer_record
 from jaxtron.data.blending import parse_blend
 from jaxtron.data.builder import DataError, build_datasets
+from jaxtron.data.builtin import prepare_builtin
 from jaxtron.data.gpt_dataset import SPLIT_NAMES
 from jaxtron.data.indexed import IndexedDataset, IndexedDatasetError
+from jaxtron.data.tokenizers import BYTE_EOD
 
 
 class IndexedCorpus:
@@ -22,8 +25,6 @@ class IndexedCorpus:
 
     def __init__(self, cfg: Config, sources: Optional[dict[str, list[tuple[float, str]]]] = None,
                  eod_id: Optional[int] = None, prepared_with: Optional[dict] = None):
-        from jaxtron.data import tokenizer_record  # here: tokenizers -> builtin -> corpus would be a cycle
-
         d, t = cfg.data, cfg.train
         # ``prepared_with``: the tokenizer record of every source (the built-in corpus's); default: each
         # prefix's <prefix>.meta.json, checked against data.tokenizer before any sample is cut
@@ -101,6 +102,16 @@ class IndexedCorpus:
             yield self._rows("valid", i * batch_size + np.arange(batch_size))
 
 
+class BuiltinCorpus(IndexedCorpus):
+    """The built-in corpus (``data.source: builtin``): the standard library's sources in the byte tokenizer,
+    written once by :func:`jaxtron.data.builtin.prepare_builtin`."""
+
+    def __init__(self, cfg: Config):
+        self.prefixes = prepare_builtin(cfg.data)
+        super().__init__(cfg, sources={name: [(1.0, p)] for name, p in self.prefixes.items()}, eod_id=BYTE_EOD,
+                         prepared_with=tokenizer_record.BYTE_RECORD)
+
+
 def valid_samples(steps: int, eval_every: int, eval_batches: int, global_batch: int) -> int:
     """Megatron's validation size: ``(train_iters // eval_interval + 1) * eval_iters * global_batch`` (an
     evaluation every ``eval_every`` steps and one after training; ``eval_every`` 0: only that one)."""
@@ -122,5 +133,4 @@ def make_corpus(cfg: Config):
     """The run's data source (``data.source``)."""
     if cfg.data.source == "indexed":
         return IndexedCorpus(cfg)
-    from jaxtron.data.builtin import BuiltinCorpus
     return BuiltinCorpus(cfg)

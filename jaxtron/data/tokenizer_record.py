@@ -25,14 +25,14 @@ import os
 import shutil
 from typing import Optional
 
-from jaxtron.data.tokenizers import TokenizerError, load_tokenizer
+from jaxtron.data.tokenizers import BYTE_EOD, TokenizerError, load_tokenizer
 
 log = logging.getLogger("jaxtron")
 
 DATA_META_SUFFIX = ".meta.json"
 # files of a Hugging Face tokenizer folder that travel with the main file (special tokens, chat template)
 COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
-BYTE_RECORD = {"kind": "byte", "file": None, "path": None, "sha256": None, "vocab_size": 256, "eod_id": 0,
+BYTE_RECORD = {"kind": "byte", "file": None, "path": None, "sha256": None, "vocab_size": 256, "eod_id": BYTE_EOD,
                "bos_id": None}
 
 

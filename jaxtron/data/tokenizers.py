@@ -2,7 +2,7 @@
 
 ``load_tokenizer(spec)`` accepts:
 
-* ``"byte"``: UTF-8 bytes 0..255, end-of-document id 0 (the built-in corpus's ``ByteTokenizer``);
+* ``"byte"``: UTF-8 bytes 0..255, end-of-document id 0 (:class:`ByteLevelTokenizer`, the built-in corpus's);
 * a path to a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library);
 * a path to a SentencePiece ``.model`` file (the ``sentencepiece`` library).
 """
@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from jaxtron.data.builtin import EOD as BYTE_EOD
-
+BYTE_EOD = 0  # the byte tokenizer's end of document: NUL, which text (and Python source) does not contain
 # special tokens tried, in order, as the end-of-document id of a tokenizer.json
 _EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[EOS]", "<eod>", "[SEP]")
 # ... and as the beginning-of-sequence id (None when there is none: the checkpoint records it as null)
