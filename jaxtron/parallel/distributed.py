@@ -5,7 +5,9 @@ Explicit settings come from ``distributed.*`` config fields or the environment (
 (``mpirun``, more than one rank) JAX's own cluster detection finds them. A single process initializes
 nothing. XLA's collectives (NCCL on GPU, gloo on CPU) carry the traffic; the coordination service's heartbeats
 and jaxtron's watchdog (:mod:`jaxtron.parallel.watchdog`, ``train.collective_timeout_s``) make every process
-exit with one ``error:`` line naming the lost process when one of them dies or hangs.
+exit with one ``error:`` line naming the lost process when one of them dies or hangs. Process 0 runs the
+coordination service in a child process (:mod:`jaxtron.parallel.coordination_service`), so that killing process 0
+ends the others the same way rather than with JAX's C++ abort.
 """
 
 from __future__ import annotations
@@ -75,12 +77,87 @@ def initialize(cfg: Config) -> int:
             return 1
         if ":" not in coordinator:
             raise ConfigError("distributed.coordinator", f"expected host:port, got {coordinator!r}")
-        jax.distributed.initialize(coordinator, num_i, pid_i, **kwargs)
-    else:
-        jax.distributed.initialize(**kwargs)  # JAX's SLURM / Open MPI cluster detection
+        _join(coordinator, num_i, pid_i, None, cfg, kwargs)
+    else:  # JAX's SLURM / Open MPI cluster detection
+        from jax._src.clusters import ClusterEnv
+        coordinator, num_i, pid_i, local_ids = ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, None, None, kwargs["initialization_timeout"])
+        _join(coordinator, num_i, pid_i, local_ids, cfg, kwargs)
     log.debug("joined %s run: process %d of %d", mode, jax.process_index(), jax.process_count())
     _start_watchdog(cfg.train.collective_timeout_s)
     return jax.process_count()
+
+
+def _join(coordinator: str, num: int, pid: int, local_ids, cfg: Config, kwargs: dict) -> None:
+    """``jax.distributed.initialize``, except that process 0 hosts the coordination service in a process of
+    its own (:mod:`jaxtron.parallel.coordination_service`), so that killing process 0 does not abort the
+    others from C++."""
+    import jax
+
+    if pid != 0:
+        jax.distributed.initialize(coordinator, num, pid, local_ids, **kwargs)
+        return
+    from jax._src import distributed as jax_distributed
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("jaxtron.parallel.distributed.initialize must run before JAX initializes a backend")
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or "[::]:" + coordinator.rsplit(":", 1)[1]
+    _start_service(bind, num, kwargs["heartbeat_timeout_seconds"], kwargs["initialization_timeout"])
+    state = jax_distributed.global_state  # what State.initialize sets, less the service it would start
+    if local_ids:
+        ids = ",".join(str(i) for i in local_ids)
+        jax.config.update("jax_cuda_visible_devices", ids)
+        jax.config.update("jax_rocm_visible_devices", ids)
+    state.coordinator_address, state.process_id, state.num_processes = coordinator, pid, num
+    state.client = _jax.get_distributed_runtime_client(
+        coordinator, pid, init_timeout=kwargs["initialization_timeout"], use_compression=True,
+        heartbeat_timeout=kwargs["heartbeat_timeout_seconds"])
+    state.client.connect()
+    state.initialize_preemption_sync_manager()
+    partition = os.environ.get("JAX_PARTITION_INDEX")
+    state.partition_index = int(partition) if partition is not None else None
+
+
+_SERVICE = None
+
+
+def _start_service(bind: str, num: int, heartbeat_s: int, timeout_s: float) -> None:
+    import atexit
+    import select
+    import subprocess
+    import sys
+
+    global _SERVICE
+    # after process 0 is killed it serves the survivors past JAX's heartbeat timeout: by then their
+    # watchdogs (train.collective_timeout_s, shorter) have ended them
+    linger = heartbeat_s + 10
+    proc = subprocess.Popen([sys.executable, "-m", "jaxtron.parallel.coordination_service", bind, str(num),
+                             str(heartbeat_s), str(linger)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().strip() if ready else f"no answer in {timeout_s:g} s"
+    if line != "ready":
+        proc.kill()
+        raise ConfigError("distributed.coordinator", f"the coordination service could not start on {bind}: "
+                                                     f"{line.removeprefix('error: ') or 'it exited'}")
+    _SERVICE = proc
+    atexit.register(_service_done)
+
+
+def _service_done() -> None:
+    """At a clean exit of process 0: leave JAX's shutdown barrier first, then end the service."""
+    import jax
+
+    try:
+        jax.distributed.shutdown()
+    finally:
+        try:
+            _SERVICE.stdin.write("done\n")
+            _SERVICE.stdin.close()
+        except OSError:
+            pass
 
 
 _WATCHDOG = None

@@ -11,7 +11,8 @@ that, every ``interval`` seconds, writes its own beat counter into the coordinat
   lost); exiting``, exit status 75;
 * a peer that ended with an error says so first (``jaxtron/failed/<process>``), and the others repeat it;
 * if the store itself stops answering (a call fails, or hangs for ``timeout`` seconds: a second thread judges
-  that), process 0, which hosts it, is gone: the line names it.
+  that), process 0, which hosts it (in a child process of its own, :mod:`jaxtron.parallel.coordination_service`,
+  which outlives a killed process 0), is gone: the line names it.
 
 When a collective fails first (a killed peer's sockets close at once, long before ``timeout``),
 :meth:`PeerWatchdog.silent_peers` names the processes whose beats stopped within a few seconds.
