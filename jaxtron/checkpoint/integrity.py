@@ -130,21 +130,40 @@ def check_files(jobs: Iterable[tuple[str, int, Optional[str], str]], threads: in
         return [p for p in pool.map(one, list(jobs)) if p]
 
 
+STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's per-step record: which items the step was saved with
+RESUME_ITEMS = ("params", "opt_state", "meta")  # what resuming a training run reads
+WEIGHTS_ITEMS = ("params", "meta")  # a weights-only step (an imported model): loads as weights only
+
+
 def verify_step(step_dir: str, threads: int = 4) -> tuple[list[str], list[str]]:
-    """(problems, notes) of one step directory: every item's index and shard files (sizes and checksums) and
-    the JSON meta. Nothing is loaded into JAX."""
+    """(problems, notes) of one step directory: the items a resume needs are all there (or the step is
+    weights-only, saved without optimizer state: a note says so), Orbax's step metadata and the JSON meta parse,
+    and every item's index and shard files check (sizes and checksums). Nothing is loaded into JAX."""
     problems, notes = [], []
     step = os.path.basename(os.path.normpath(step_dir))
     label = int(step) if step.isdigit() else None
     items = [d for d in sorted(os.listdir(step_dir)) if os.path.isdir(os.path.join(step_dir, d))]
-    if "params" not in items:
-        problems.append(f"{os.path.join(step_dir, 'params')}: missing (step {step} has no parameters)")
+    saved, problem = saved_items(step_dir, step)
+    if problem:
+        problems.append(problem)
+    meta, problem = read_meta(os.path.join(step_dir, "meta"), step)
+    if problem:
+        problems.append(problem)
+    if saved is None:  # no readable record: a step with training state in its meta needs the optimizer state
+        trained = "opt_state" in items or (isinstance(meta, dict) and "data" in meta)
+        saved = RESUME_ITEMS if trained else WEIGHTS_ITEMS
+    for item in saved:
+        if item not in items:
+            why = "resuming needs it" if "opt_state" in saved else "loading its weights needs it"
+            problems.append(f"{os.path.join(step_dir, item)}: missing (step {step} was saved with it; {why})")
+    if "opt_state" not in saved and "params" in items:
+        notes.append(f"{step_dir}: weights only (no optimizer state): it loads with checkpoint.load_weights "
+                     "but cannot resume a training run")
     unchecked = 0
     for item in items:
-        item_dir = os.path.join(step_dir, item)
         if item == "meta":
-            problems += _check_meta(item_dir, step)
             continue
+        item_dir = os.path.join(step_dir, item)
         indexes = _index_files(item_dir)
         if not indexes:
             problems.append(f"{item_dir}: no index.p*.json (step {step}; incomplete or not a jaxtron item)")
@@ -163,14 +182,40 @@ def verify_step(step_dir: str, threads: int = 4) -> tuple[list[str], list[str]]:
     return problems, notes
 
 
-def _check_meta(meta_dir: str, step: str) -> list[str]:
-    path = os.path.join(meta_dir, "metadata")
+def saved_items(step_dir: str, step: str) -> tuple[Optional[tuple[str, ...]], Optional[str]]:
+    """The items Orbax recorded for the step (None when it has no readable record) and the problem, if any."""
+    path = os.path.join(step_dir, STEP_METADATA)
+    if not os.path.exists(path):
+        return None, None  # a copy made without it still restores; the items present decide
     try:
         with open(path) as f:
-            json.load(f)
+            handlers = json.load(f)["item_handlers"]
+        return tuple(name for name in RESUME_ITEMS if name in handlers), None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return None, f"{path}: unreadable step metadata (step {step}; {_why(err)})"
+
+
+def read_meta(meta_dir: str, step: str) -> tuple[Any, Optional[str]]:
+    """The step's JSON meta and ``None``, or ``None`` and the problem (one line naming the file)."""
+    path = os.path.join(meta_dir, "metadata")
+    if not os.path.isdir(meta_dir):
+        return None, None  # reported with the other missing items
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return None, f"{path}: missing (step {step}; the meta of the step)"
     except (OSError, ValueError) as err:
-        return [f"{path}: unreadable meta (step {step}; {type(err).__name__}: {err})"]
-    return []
+        return None, f"{path}: unreadable meta (step {step}; {_why(err)})"
+    if not isinstance(meta, dict):
+        return None, f"{path}: unreadable meta (step {step}; a JSON {type(meta).__name__}, expected an object)"
+    return meta, None
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, KeyError):
+        return f"no {err} entry"
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def is_step_dir(path: str) -> bool:

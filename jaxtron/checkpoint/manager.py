@@ -55,9 +55,31 @@ class _QuietOrbaxErrors(logging.Filter):
     """Orbax logs the traceback of a failed background save (several times); jaxtron reports it in one line
     (a :class:`CheckpointError` naming the file), so those records are dropped."""
 
+    def __init__(self):
+        super().__init__()
+        self._said: set = set()
+
     def filter(self, record: logging.LogRecord) -> bool:
         err = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(err, (CheckpointWriteError, OSError)) and "orbax" in (record.pathname or ""))
+        if isinstance(err, (CheckpointWriteError, OSError)) and "orbax" in (record.pathname or ""):
+            return False
+        text = str(record.msg)
+        if text.startswith(("Failed to json parse Metadata file", "Failed to read Metadata file")):
+            # Orbax ignores an unreadable step metadata file, and says so at every read (ten times a run)
+            path = str(record.args[0]) if record.args else "?"
+            if path not in self._said:
+                self._said.add(path)
+                log.warning("%s: unreadable Orbax step metadata (ignored; python -m jaxtron.checkpoint verify "
+                            "reports it)", path)
+            return False
+        if text.startswith("Waiting for previous save to complete"):
+            # a save that waits for the one before it: said once, at info level; the rest at debug
+            level = logging.INFO if "wait" not in self._said else logging.DEBUG
+            self._said.add("wait")
+            log.log(level, "checkpoint: waited %.1f s for the previous save to finish (saves this close together "
+                    "hold up training; later waits are logged at debug level)", *(record.args or (0.0,)))
+            return False
+        return True
 
 
 _ABSL_FILTER = _QuietOrbaxErrors()
@@ -259,6 +281,16 @@ class Checkpointer:
     def _restore(self, step: int, **items) -> Any:
         if not os.path.isdir(self.step_dir(step)):
             raise CheckpointError(f"{self.step_dir(step)}: no such checkpoint step")
+        for item in items:  # Orbax would say 'Item "opt_state" was not found', naming no directory
+            item_dir = os.path.join(self.step_dir(step), item)
+            if not os.path.isdir(item_dir):
+                weights_only = item == "opt_state" and "opt_state" not in (integrity.saved_items(
+                    self.step_dir(step), str(step))[0] or ("opt_state",))
+                only = " (a weights-only step: load it with checkpoint.load_weights)" if weights_only else ""
+                raise CheckpointError(f"{item_dir}: missing (checkpoint step {step}){only}")
+            problem = integrity.read_meta(item_dir, str(step))[1] if item == "meta" else None
+            if problem:
+                raise CheckpointError(problem)
         try:
             return self._mngr.restore(step, args=ocp.args.Composite(**items))
         except CheckpointMismatchError as err:

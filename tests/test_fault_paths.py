@@ -1,0 +1,109 @@
+"""Fault paths a new user meets, each ending in one line that names the file or the value (issue 37):
+incomplete checkpoint steps (verify and restore), an unreadable Orbax step record, a garbled meta."""
+
+import json
+import logging
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxtron.checkpoint import CheckpointError, Checkpointer
+from jaxtron.checkpoint.__main__ import main as checkpoint_cli
+
+STEP, WEIGHTS = 3, 4
+
+
+def _state():
+    params = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones((4,))}
+    return {"step": jnp.asarray(STEP), "params": params,
+            "opt_state": {"mu": jax.tree.map(jnp.zeros_like, params), "count": jnp.asarray(STEP)}}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A training step (params, opt_state, meta) and a weights-only step (params, meta), saved for real."""
+    directory = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    ckpt = Checkpointer(str(directory), async_save=False)
+    try:
+        assert ckpt.save(STEP, _state(), {"data": {"next_step": STEP}})
+        ckpt.save_params(WEIGHTS, _state()["params"], {"tokenizer": None})
+    finally:
+        ckpt.close()
+    return directory
+
+
+@pytest.fixture
+def ckpt_dir(saved, tmp_path):
+    out = tmp_path / "checkpoints"
+    shutil.copytree(saved, out)
+    return out
+
+
+def _verify(path, capsys):
+    rc = checkpoint_cli(["verify", str(path)])
+    out = capsys.readouterr()
+    return rc, out.out, [line for line in out.err.splitlines() if line.strip()]
+
+
+def _restore(directory, step=STEP):
+    ckpt = Checkpointer(str(directory), read_only=True)
+    try:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _state())
+        return ckpt.restore(step, abstract)
+    finally:
+        ckpt.close()
+
+
+def test_complete_and_weights_only_steps_pass_verify(ckpt_dir, capsys):
+    rc, out, errors = _verify(ckpt_dir, capsys)
+    assert rc == 0 and not errors, errors
+    notes = [line for line in out.splitlines() if "weights only" in line]
+    assert notes == [f"note: {ckpt_dir / str(WEIGHTS)}: weights only (no optimizer state): it loads with "
+                     "checkpoint.load_weights but cannot resume a training run"], out
+    state, meta = _restore(ckpt_dir)
+    assert meta["step"] == STEP and float(state["params"]["w"][2, 3]) == 11.0
+
+
+@pytest.mark.parametrize("item", ["params", "opt_state", "meta"])
+def test_a_missing_item_fails_verify_and_restore_naming_it(ckpt_dir, capsys, item):
+    shutil.rmtree(ckpt_dir / str(STEP) / item)
+    rc, _, errors = _verify(ckpt_dir / str(STEP), capsys)
+    missing = ckpt_dir / str(STEP) / item
+    assert rc == 1 and errors == [f"error: {missing}: missing (step {STEP} was saved with it; resuming needs it)"], \
+        errors
+    with pytest.raises(CheckpointError, match=f"^{missing}: missing \\(checkpoint step {STEP}\\)$"):
+        _restore(ckpt_dir)
+
+
+def test_a_weights_only_step_does_not_resume(ckpt_dir):
+    with pytest.raises(CheckpointError, match=f"{ckpt_dir / str(WEIGHTS) / 'opt_state'}: missing .*load_weights"):
+        _restore(ckpt_dir, WEIGHTS)
+
+
+def test_a_garbled_meta_is_named(ckpt_dir, capsys):
+    path = ckpt_dir / str(STEP) / "meta" / "metadata"
+    path.write_text('{"step": 3, "data": ')
+    rc, _, errors = _verify(ckpt_dir, capsys)
+    assert rc == 1 and len(errors) == 1 and errors[0].startswith(f"error: {path}: unreadable meta (step {STEP}; "
+                                                                  "JSONDecodeError"), errors
+    with pytest.raises(CheckpointError, match=f"^{path}: unreadable meta"):
+        _restore(ckpt_dir)
+
+
+def test_a_garbled_orbax_step_record_fails_verify_and_is_said_once(ckpt_dir, capsys, caplog):
+    path = ckpt_dir / str(STEP) / "_CHECKPOINT_METADATA"
+    path.write_text("garbage{")
+    rc, _, errors = _verify(ckpt_dir, capsys)
+    assert rc == 1 and len(errors) == 1 and errors[0].startswith(
+        f"error: {path}: unreadable step metadata (step {STEP}; JSONDecodeError"), errors
+    caplog.set_level(logging.INFO)
+    for _ in range(2):  # Orbax reads the record at every look at the step, and ignores a bad one
+        state, _ = _restore(ckpt_dir)
+    assert float(state["params"]["b"][0]) == 1.0
+    said = [r for r in caplog.records if str(path) in r.getMessage()]
+    assert [(r.name, r.levelname) for r in said] == [("jaxtron", "WARNING")], [r.getMessage() for r in said]
+    json.loads((ckpt_dir / str(WEIGHTS) / "_CHECKPOINT_METADATA").read_text())  # the other step is untouched
+    assert os.path.isdir(ckpt_dir / str(WEIGHTS) / "params")
