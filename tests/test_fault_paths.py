@@ -107,3 +107,16 @@ def test_a_garbled_orbax_step_record_fails_verify_and_is_said_once(ckpt_dir, cap
     assert [(r.name, r.levelname) for r in said] == [("jaxtron", "WARNING")], [r.getMessage() for r in said]
     json.loads((ckpt_dir / str(WEIGHTS) / "_CHECKPOINT_METADATA").read_text())  # the other step is untouched
     assert os.path.isdir(ckpt_dir / str(WEIGHTS) / "params")
+
+
+def test_orbax_save_waits_are_said_once_at_info(caplog):
+    import jaxtron.checkpoint.manager  # noqa: F401  (installs the filter on absl's logger)
+
+    caplog.set_level(logging.DEBUG)
+    for seconds in (1.8, 2.5, 0.9):  # what Orbax logs before each save that waited for the previous one
+        logging.getLogger("absl").warning("Waiting for previous save to complete took %f seconds. If this number "
+                                          "is high, consider checkpointing less frequently.", seconds)
+    said = [(r.name, r.levelname, r.getMessage()[:24]) for r in caplog.records]
+    # the first wait of the process is said at info level (an earlier test may have had it), the rest at debug
+    assert said[-2:] == [("jaxtron", "DEBUG", "checkpoint: waited 2.5 s"), ("jaxtron", "DEBUG", "checkpoint: waited 0.9 s")]
+    assert said[:-2] in ([], [("jaxtron", "INFO", "checkpoint: waited 1.8 s")]), said
