@@ -5,25 +5,40 @@ logits with the loss).
 The model only has to offer ``embed_tokens(tokens)``, ``rope(positions)``, ``run_stack(key, x, rope,
 segment_ids)`` and ``logits(x)``, and keep its stacked decoder blocks under the ``layers`` parameter key (the
 logical axis the rules split over pipeline stages). The loss stays the caller's: ``loss_sums(logits,
-micro_batch)`` returns ``(objective sum, (reported loss sum, token count, aux sums))``. MoE layers add their
-router losses to the objective in the stage that runs them, and their stats to the aux sums.
+micro_batch)`` returns ``(objective sum, (reported loss sum, token count, aux sums))``. What else the pipeline
+needs of the model comes in a :class:`StageTerms` from the caller (this package imports no model code): the
+stacks run before the stages, and how a stage's layers add to the loss (MoE router losses, added to the
+objective in the stage that runs them, and their stats, added to the aux sums).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.model import routing
-from jaxtron.model.llama import layer_stacks
 from jaxtron.parallel import pipeline
 from jaxtron.parallel.sharding import constrain
 
 STACKED = "layers"                 # the params key (and logical axis) of the stacked decoder blocks
 BATCH_AXES = ("act_batch", "act_seq")
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """What the pipeline needs to know of the model besides its methods.
+
+    ``leading_stacks``: params keys of the stacks that run after the embedding, before the stages, in order
+    (an MoE model's leading dense layers, not split over stages); ``layer_terms(stats, tokens)``: a stage's
+    ``(objective term, per-layer report)`` from its layers' ``run_stack`` stats and the micro batch's token
+    count; ``report_sums(report)``: the per-layer reports of all the stages -> the aux sums."""
+
+    leading_stacks: tuple[str, ...]
+    layer_terms: Callable
+    report_sums: Callable
 
 
 def split_micro(batch: dict, accum: int) -> dict:
@@ -38,11 +53,10 @@ def _split_stacked(params: dict) -> tuple[dict, dict]:
     return params[STACKED], {k: v for k, v in params.items() if k != STACKED}
 
 
-def _parts(graphdef, params_struct: dict, loss_sums: Callable, segments: Callable):
+def _parts(graphdef, terms: StageTerms, params_struct: dict, loss_sums: Callable, segments: Callable):
     """pre/stage/post: each rebuilds the model from the params it needs; the others are scalar placeholders
-    (the part of the forward it runs never reads them). An MoE model's leading dense layers (``dense_layers``,
-    not split over stages) run in ``pre``, after the embedding; ``stage`` returns its MoE layers' loss term
-    and per-layer report (:func:`jaxtron.model.routing.layer_terms`), zero and {} for a dense model."""
+    (the part of the forward it runs never reads them). ``terms.leading_stacks`` run in ``pre``, after the
+    embedding; ``stage`` returns its layers' ``terms.layer_terms`` (loss term and per-layer report)."""
     stacked_struct, shared_struct = _split_stacked(params_struct)
     placeholder = lambda tree: jax.tree.map(lambda _: jnp.zeros((), jnp.float32), tree)
     model = lambda shared, layers: nnx.merge(graphdef, {**shared, STACKED: layers})
@@ -50,17 +64,14 @@ def _parts(graphdef, params_struct: dict, loss_sums: Callable, segments: Callabl
     def pre(shared, mb):
         m = model(shared, placeholder(stacked_struct))
         x = m.embed_tokens(mb["inputs"])
-        for key, _, _ in layer_stacks(m.cfg):
-            if key != STACKED:
-                x = m.run_stack(key, x, m.rope(mb["positions"]), segments(mb))[0]
+        for key in terms.leading_stacks:
+            x = m.run_stack(key, x, m.rope(mb["positions"]), segments(mb))[0]
         return x
 
     def stage(layers, x, mb):
         m = model(placeholder(shared_struct), layers)
         x, stats = m.run_stack(STACKED, x, m.rope(mb["positions"]), segments(mb))
-        n = jnp.sum(mb["loss_mask"].astype(jnp.float32))
-        moe_layers = dict((key, units) for key, units, _ in layer_stacks(m.cfg))[STACKED]  # one per MoE unit
-        return x, routing.layer_terms(stats, n, m.cfg.moe, moe_layers)
+        return x, terms.layer_terms(stats, jnp.sum(mb["loss_mask"].astype(jnp.float32)))
 
     def post(shared, x, mb):
         return loss_sums(model(shared, placeholder(stacked_struct)).logits(x), mb)
@@ -72,34 +83,34 @@ def _stacked_specs(param_shardings: dict):
     return jax.tree.map(lambda sh: sh.spec, param_shardings[STACKED])
 
 
-def pipelined_value_and_grad(layout, graphdef, param_shardings: dict, loss_sums: Callable, segments: Callable,
-                             params: dict, batch: dict, accumulate: Callable = pipeline._add):
+def pipelined_value_and_grad(layout, graphdef, terms: StageTerms, param_shardings: dict, loss_sums: Callable,
+                             segments: Callable, params: dict, batch: dict, accumulate: Callable = pipeline._add):
     """((loss sum, tokens, aux), fp32 grads) of the whole batch through the pipeline schedule, its micro batches
     as in gradient accumulation (``accumulate``: see ``pipeline.value_and_grad``)."""
-    pre, stage, post = _parts(graphdef, params, loss_sums, segments)
+    pre, stage, post = _parts(graphdef, terms, params, loss_sums, segments)
     stacked, shared = _split_stacked(params)
     spec = layout.pipeline()
     micro = split_micro(batch, spec.micro_batches)
     (sums, report), (g_stacked, g_shared) = pipeline.value_and_grad(
         spec, layout.mesh, layout.rules, pre, stage, post, stacked, _stacked_specs(param_shardings), shared, micro,
         accumulate)
-    return _with_report(sums, report), {**g_shared, STACKED: g_stacked}
+    return _with_report(terms, sums, report), {**g_shared, STACKED: g_stacked}
 
 
-def _with_report(sums, report: dict):
-    """The loss's (loss sum, tokens, aux sums) with the stages' MoE report added to the aux sums."""
+def _with_report(terms: StageTerms, sums, report: dict):
+    """The loss's (loss sum, tokens, aux sums) with the stages' report added to the aux sums."""
     ce, n, aux = sums
-    return ce, n, {**aux, **routing.report_sums(report)}
+    return ce, n, {**aux, **terms.report_sums(report)}
 
 
-def pipelined_loss(layout, graphdef, param_shardings: dict, loss_sums: Callable, segments: Callable,
-                   params: dict, batch: dict):
+def pipelined_loss(layout, graphdef, terms: StageTerms, param_shardings: dict, loss_sums: Callable,
+                   segments: Callable, params: dict, batch: dict):
     """The forward only (evaluation): ``(objective, (loss sum, tokens, aux))`` of the whole batch."""
-    pre, stage, post = _parts(graphdef, params, loss_sums, segments)
+    pre, stage, post = _parts(graphdef, terms, params, loss_sums, segments)
     stacked, shared = _split_stacked(params)
     spec = layout.pipeline(for_eval=True)
     objective, (sums, report) = pipeline.forward_loss(spec, layout.mesh, layout.rules, pre, stage, post, stacked,
                                                       _stacked_specs(param_shardings), shared,
                                                       split_micro(batch, spec.micro_batches))
-    return objective, _with_report(sums, report)
+    return objective, _with_report(terms, sums, report)
 

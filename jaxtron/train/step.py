@@ -10,10 +10,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxtron.config import Config
+from jaxtron.config import Config, ModelConfig
 from jaxtron.model import fp8, routing
+from jaxtron.model.llama import layer_stacks
 from jaxtron.parallel.layout import Layout
-from jaxtron.parallel.stages import BATCH_AXES, pipelined_loss, pipelined_value_and_grad, split_micro
+from jaxtron.parallel.stages import (BATCH_AXES, STACKED, StageTerms, pipelined_loss, pipelined_value_and_grad,
+                                     split_micro)
 from jaxtron.train.flops import moe_layer_count
 from jaxtron.train.loss import cross_entropy_sums
 from jaxtron.train.state import ModelSpec
@@ -53,6 +55,15 @@ def _sums(graphdef, params, batch, z_loss: float, packed: bool = True):
     # coef * loss to the per-token objective the step divides by the total count (micro batches by share).
     term, report = routing.layer_terms(stats, n, model.cfg.moe, moe_layer_count(model.cfg))
     return objective + term, (ce, n, routing.report_sums(report))
+
+
+def stage_terms(cfg: ModelConfig) -> StageTerms:
+    """What the pipeline needs of the model besides its methods: the stacks that run before the stages (an MoE
+    model's leading dense layers) and the stages' MoE router terms (one MoE layer per scanned unit)."""
+    stacks = layer_stacks(cfg)
+    units = dict((key, units) for key, units, _ in stacks)[STACKED]
+    return StageTerms(tuple(key for key, _, _ in stacks if key != STACKED),
+                      lambda stats, n: routing.layer_terms(stats, n, cfg.moe, units), routing.report_sums)
 
 
 # names a custom loss's aux entries may not take: the step's metrics and the loop's metrics.jsonl record
@@ -108,7 +119,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
     def loss_and_grads(params, batch):
         batch = layout.balance(batch)  # context parallelism: each rank's two chunks of every sequence
         if layout.stages > 1:
-            return pipelined_value_and_grad(layout, spec.graphdef, spec.param_shardings,
+            return pipelined_value_and_grad(layout, spec.graphdef, stage_terms(cfg.model), spec.param_shardings,
                                             lambda logits, mb: _logits_sums(logits, mb, z_loss),
                                             lambda mb: _segments(mb, packed), params, batch, fp8.accumulate)
         if accum == 1:
@@ -172,7 +183,7 @@ def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
         batch = layout.balance(batch)
         with layout.tracing():
             if layout.stages > 1:
-                _, (ce, n, _) = pipelined_loss(layout, spec.graphdef, spec.param_shardings,
+                _, (ce, n, _) = pipelined_loss(layout, spec.graphdef, stage_terms(cfg.model), spec.param_shardings,
                                                lambda logits, mb: _logits_sums(logits, mb, 0.0),
                                                lambda mb: _segments(mb, packed), params, batch)
                 return {"loss_sum": ce, "tokens": n}
