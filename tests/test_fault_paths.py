@@ -119,4 +119,4 @@ def test_orbax_save_waits_are_said_once_at_info(caplog):
     said = [(r.name, r.levelname, r.getMessage()[:24]) for r in caplog.records]
     # the first wait of the process is said at info level (an earlier test may have had it), the rest at debug
     assert said[-2:] == [("jaxtron", "DEBUG", "checkpoint: waited 2.5 s"), ("jaxtron", "DEBUG", "checkpoint: waited 0.9 s")]
-    assert said[:-2] in ([], [("jaxtron", "INFO", "checkpoint: waited 1.8 s")]), said
+    assert said[:-2] in ([("jaxtron", level, "checkpoint: waited 1.8 s")] for level in ("INFO", "DEBUG")), said
