@@ -75,7 +75,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._common import cdiv, check_backend, is_pow2, next_pow2, resolve_interpret
-from .flash_attention_triton import _LOG2E, _MIN_BLOCK, _Config, _triton_bwd, _triton_fwd, _visible
+from .flash_attention_triton import LOG2E, MIN_BLOCK, FlashConfig, triton_bwd, triton_fwd, visible
 
 __all__ = ["flash_attention", "flash_attention_reference", "head_dim_supported"]
 
@@ -84,7 +84,7 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def head_dim_supported(d: int) -> bool:
     """Whether the Triton kernel takes this head_dim: a power of two >= 16 (64, 128 and 256 are the usual)."""
-    return d >= _MIN_BLOCK and is_pow2(d)
+    return d >= MIN_BLOCK and is_pow2(d)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def flash_attention_reference(q, k, v, *, causal: bool = True, segment_ids=None,
     vf = v.astype(jnp.float32)
     logits = jnp.einsum("bqkgd,bskd->bkgqs", qf, kf, precision=hp) * scale          # [b, kv, g, q, s]
     pos = jnp.arange(s)
-    mask = _visible(pos, pos, causal=causal, sliding_window=sliding_window)          # [q, s] or None
+    mask = visible(pos, pos, causal=causal, sliding_window=sliding_window)          # [q, s] or None
     mask = jnp.ones((s, s), bool) if mask is None else mask
     mask = jnp.broadcast_to(mask, (b, s, s))
     if segment_ids is not None:
@@ -123,8 +123,8 @@ def flash_attention_reference(q, k, v, *, causal: bool = True, segment_ids=None,
     return out.reshape(b, s, h, d).astype(q.dtype)
 
 
-def _mosaic_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
-    """The Mosaic GPU forward (`flash_attention_mosaic`), same operands and results as `_triton_fwd`."""
+def _mosaic_fwd(q, k, v, seg, sc, cfg: FlashConfig, *, out_dtype, residual: bool):
+    """The Mosaic GPU forward (`flash_attention_mosaic`), same operands and results as `triton_fwd`."""
     from .flash_attention_mosaic import mosaic_forward  # Mosaic GPU only when its backend is asked for
 
     assert cfg.window is None                     # refused in flash_attention()
@@ -133,8 +133,8 @@ def _mosaic_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
                           interpret=cfg.interpret)
 
 
-def _mosaic_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
-    """The Mosaic GPU backward (`flash_attention_mosaic_bwd`), same operands and results as `_triton_bwd`."""
+def _mosaic_bwd(q, k, v, seg, lse, delta, do, sc, cfg: FlashConfig, *, out_dtype):
+    """The Mosaic GPU backward (`flash_attention_mosaic_bwd`), same operands and results as `triton_bwd`."""
     from .flash_attention_mosaic_bwd import mosaic_backward
 
     assert cfg.window is None
@@ -144,7 +144,7 @@ def _mosaic_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
 
 
 # backend -> (forward, backward); both backends' kernels share the residuals (log2-domain log-sum-exp, O / s_v).
-_IMPLS = {"triton": (_triton_fwd, _triton_bwd), "mosaic": (_mosaic_fwd, _mosaic_bwd)}
+_IMPLS = {"triton": (triton_fwd, triton_bwd), "mosaic": (_mosaic_fwd, _mosaic_bwd)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def _to_compute(x, scale, group: int, dtype):
     return xs.reshape(x.shape).astype(dtype)
 
 
-def _fwd_operands(q, k, v, cfg: _Config):
+def _fwd_operands(q, k, v, cfg: FlashConfig):
     """(q, k, v) in the compute dtype, forward scalars [b, kv, 2], operand scales (s_q, s_k, s_v)."""
     b, kvh = k.shape[0], k.shape[2]
     group = q.shape[2] // kvh
@@ -190,17 +190,17 @@ def _fwd_operands(q, k, v, cfg: _Config):
         scales = (_pow2_scale(q, group, 15), _pow2_scale(k, 1, 15), _pow2_scale(v, 1, 0))
     s_q, s_k, s_v = scales
     ops = (_to_compute(q, s_q, group, cdt), _to_compute(k, s_k, 1, cdt), _to_compute(v, s_v, 1, cdt))
-    sc = jnp.stack([s_q * s_k * jnp.float32(cfg.scale * _LOG2E), s_v], axis=-1)
+    sc = jnp.stack([s_q * s_k * jnp.float32(cfg.scale * LOG2E), s_v], axis=-1)
     return ops, sc, scales
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, cfg: _Config):
+def _flash(q, k, v, seg, cfg: FlashConfig):
     ops, sc, _ = _fwd_operands(q, k, v, cfg)
     return _IMPLS[cfg.backend][0](*ops, seg, sc, cfg, out_dtype=q.dtype, residual=False)[0]
 
 
-def _flash_fwd(q, k, v, seg, cfg: _Config):
+def flash_fwd(q, k, v, seg, cfg: FlashConfig):
     ops, sc, scales = _fwd_operands(q, k, v, cfg)
     residual = ops[0].dtype != jnp.float32
     res = _IMPLS[cfg.backend][0](*ops, seg, sc, cfg, out_dtype=q.dtype, residual=residual)
@@ -209,7 +209,7 @@ def _flash_fwd(q, k, v, seg, cfg: _Config):
     return out, (*ops, seg, o_res, lse, sc[..., 0], scales)
 
 
-def _flash_bwd(cfg: _Config, res, do, dlse=None):
+def flash_bwd(cfg: FlashConfig, res, do, dlse=None):
     """dlse: the cotangent of the log2-domain lse (`flash_attention_lse`), or None."""
     q, k, v, seg, o_res, lse, c_logit, (s_q, s_k, s_v) = res
     group = q.shape[2] // k.shape[2]
@@ -229,7 +229,7 @@ def _flash_bwd(cfg: _Config, res, do, dlse=None):
         # d lse2_i / d logit_ij = log2(e) p_ij, so lse's cotangent enters as dS = P * (dP - (delta - dlse2 log2(e)))
         # with dlse2 in dS's units (s_do * s_v)
         unit = jnp.repeat(s_do * s_v, group, axis=1)[:, :, None]
-        delta = delta - dlse * jnp.float32(_LOG2E) / unit
+        delta = delta - dlse * jnp.float32(LOG2E) / unit
     ds_unit = s_do * s_v * jnp.float32(cfg.scale)           # dS = P * (dP - delta) comes in units of s_do * s_v
     sc = jnp.stack([c_logit, ds_unit * s_k, ds_unit * s_q, s_do], axis=-1)
     out_dtype = do.dtype
@@ -237,12 +237,12 @@ def _flash_bwd(cfg: _Config, res, do, dlse=None):
     return dq, dk, dv, jax.tree.map(lambda _: None, seg)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(flash_fwd, flash_bwd)
 
 
 def _check_block(value, name):
-    if not isinstance(value, int) or isinstance(value, bool) or value < _MIN_BLOCK or not is_pow2(value):
-        raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < MIN_BLOCK or not is_pow2(value):
+        raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK}, got {value!r}")
 
 
 def _validate(q, k, v, segment_ids, softmax_scale, sliding_window, blocks):
@@ -264,7 +264,7 @@ def _validate(q, k, v, segment_ids, softmax_scale, sliding_window, blocks):
     if b <= 0 or s <= 0:
         raise ValueError(f"batch and seq must be positive, got q shape {q.shape}")
     if not head_dim_supported(d):
-        raise ValueError(f"head_dim must be a power of two >= {_MIN_BLOCK} (e.g. 64, 128, 256), got {d}")
+        raise ValueError(f"head_dim must be a power of two >= {MIN_BLOCK} (e.g. 64, 128, 256), got {d}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in _DTYPES:
@@ -297,7 +297,7 @@ def interpret_dq_bytes(batch: int, seq: int, heads: int, head_dim: int, block_k_
     return (seq // block_k_bwd) * batch * seq * heads * head_dim * 4
 
 
-def _prepare(q, k, v, *, causal, segment_ids, kv_segment_ids, softmax_scale, sliding_window, block_q, block_k,
+def prepare(q, k, v, *, causal, segment_ids, kv_segment_ids, softmax_scale, sliding_window, block_q, block_k,
              block_q_bwd, block_k_bwd, num_warps, num_stages, num_warps_bwd, num_stages_bwd, interpret, backend,
              fuse_dq):
     """Validated, padded operands and the static config: (q, k, v, seg, cfg); seg is None, the ids, or (query
@@ -320,7 +320,7 @@ def _prepare(q, k, v, *, causal, segment_ids, kv_segment_ids, softmax_scale, sli
     block_k = dk_ if block_k is None else block_k
     num_stages = dst if num_stages is None else num_stages
     interpret = resolve_interpret(interpret)
-    cap = max(_MIN_BLOCK, next_pow2(s))
+    cap = max(MIN_BLOCK, next_pow2(s))
     bqb = min(block_q_bwd or block_q, cap)
     bkb = min(block_k_bwd or block_k, cap)
     stages_bwd = num_stages_bwd if num_stages_bwd is not None else 2
@@ -345,7 +345,7 @@ def _prepare(q, k, v, *, causal, segment_ids, kv_segment_ids, softmax_scale, sli
                              f"no reduce-add); pass "
                              f"fuse_dq=False (model.deterministic_attention=true) or a shorter sequence")
     warps = num_warps if num_warps is not None else 4
-    cfg = _Config(
+    cfg = FlashConfig(
         backend=backend, causal=bool(causal),
         scale=(1.0 / math.sqrt(d)) if softmax_scale is None else float(softmax_scale),
         window=sliding_window, seq_len=s, block_q=bq, block_k=bk, block_q_bwd=bqb, block_k_bwd=bkb,
@@ -388,7 +388,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, softmax_s
     interpret=None -> interpret mode on the CPU backend (Mosaic GPU's interpreter needs jax >= 0.11).
     See the module docstring for masking semantics.
     """
-    q, k, v, seg, cfg = _prepare(
+    q, k, v, seg, cfg = prepare(
         q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=None, softmax_scale=softmax_scale,
         sliding_window=sliding_window, block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
         block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .flash_attention import _flash_bwd, _flash_fwd, _prepare
+from .flash_attention import flash_bwd, flash_fwd, prepare
 
 __all__ = ["flash_attention_lse", "flash_attention_lse_reference"]
 
@@ -36,13 +36,13 @@ def _flash_lse(q, k, v, seg, cfg):
 
 
 def _flash_lse_fwd(q, k, v, seg, cfg):
-    out, res = _flash_fwd(q, k, v, seg, cfg)
+    out, res = flash_fwd(q, k, v, seg, cfg)
     return (out, res[5]), res                     # res[5]: the log2-domain lse [b, h, s_pad]
 
 
 def _flash_lse_bwd(cfg, res, cotangents):
     do, dlse = cotangents
-    return _flash_bwd(cfg, res, do, dlse)
+    return flash_bwd(cfg, res, do, dlse)
 
 
 _flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
@@ -55,7 +55,7 @@ def flash_attention_lse(q, k, v, *, causal: bool = True, segment_ids=None, kv_se
     """(out, lse) of attention of q over k, v; see the module docstring. Differentiable in q, k, v through both."""
     if kv_segment_ids is not None and segment_ids is None:
         raise ValueError("kv_segment_ids needs segment_ids (the queries' ids)")
-    q, k, v, seg, cfg = _prepare(
+    q, k, v, seg, cfg = prepare(
         q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         softmax_scale=softmax_scale, sliding_window=None, block_q=block_q, block_k=block_k,
         block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages,

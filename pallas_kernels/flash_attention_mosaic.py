@@ -46,9 +46,7 @@ turns, TMA slots, masks, softmax) is the same code.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -57,47 +55,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
-from .segments import block_spans
-from .mosaic_helpers import (  # noqa: F401  (re-exported for the backward modules)
-    TILED, TILED_F32, row_of, col_of, mm, mm_pair, mma_into, opaque_zero,
-    visible_kv_blocks, kv_visibility, SPAN_WIDTH, span_rows, document_blocks, query_tile_kv_blocks, over_kv_blocks, kv_producer)
+from .mosaic_helpers import (COMPUTE_WGS, SPAN_WIDTH, TILED, col_of, kv_producer, kv_visibility, mma_into,
+                             mosaic_interpret_params, over_kv_blocks, query_tile_kv_blocks, row_of, span_rows)
 
-__all__ = ["mosaic_forward", "check_mosaic", "MOSAIC_HEAD_DIMS", "mosaic_interpret_params", "opaque_zero"]
+__all__ = ["mosaic_forward", "check_mosaic", "MOSAIC_HEAD_DIMS"]
 
-COMPUTE_WGS = 2
 MOSAIC_HEAD_DIMS = (64, 128)
 _SMEM_BYTES = 227 * 1024       # H100 shared memory per CTA
 _NEG = -1e30                    # the running max's start (finite: a row that sees no key never makes inf - inf)
 _RCP_LN2 = 1.0 / math.log(2.0)
-
-
-# Mosaic GPU's interpreter runs each warpgroup (two compute, one producer) as an XLA computation of its own that
-# blocks in callbacks on simulated barriers, while the kernel's own computation waits for them: all four need an
-# XLA CPU thread at once. XLA's CPU client has max(cores, CPU devices) threads; with fewer it deadlocks.
-INTERPRET_THREADS = COMPUTE_WGS + 2
-
-
-def interpret_threads() -> int:
-    """Threads of XLA's CPU client here: max(usable cores, CPU devices)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(cores, len(jax.devices("cpu")))
-
-
-def mosaic_interpret_params():
-    """Mosaic GPU interpret-mode parameters, or a clear error where this JAX has no public GPU interpreter or
-    where XLA's CPU client has too few threads to run it without deadlocking."""
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:
-        raise NotImplementedError(
-            f"flash_attention(backend='mosaic', interpret=True) needs Mosaic GPU's interpreter "
-            f"(jax >= 0.11; this is jax {jax.__version__}); use backend='triton' on CPU")
-    if interpret_threads() < INTERPRET_THREADS:
-        raise RuntimeError(
-            f"flash_attention(backend='mosaic', interpret=True) needs {INTERPRET_THREADS} XLA CPU threads (one per "
-            f"simulated warpgroup, and the kernel's own), and XLA has {interpret_threads()} here (max of cores "
-            f"and CPU devices); with fewer the interpreter deadlocks. Start Python with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={INTERPRET_THREADS}, or use backend='triton'")
-    return params()
 
 
 def smem_bytes(head_dim: int, block_q: int, block_kv: int, max_steps: int, out_itemsize: int,

@@ -46,9 +46,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
-from .flash_attention_mosaic import (COMPUTE_WGS, SPAN_WIDTH, TILED, TILED_F32, col_of, document_blocks, mm,
-                                     mm_pair, mma_into, mosaic_interpret_params, opaque_zero, row_of, span_rows)
-from .flash_attention_mosaic_dq import _dq
+from .mosaic_helpers import (COMPUTE_WGS, SPAN_WIDTH, TILED, TILED_F32, col_of, document_blocks, mm, mm_pair,
+                             mma_into, mosaic_interpret_params, opaque_zero, row_of, span_rows)
+from .flash_attention_mosaic_dq import dq_kernel
 
 __all__ = ["mosaic_backward", "bwd_smem_bytes"]
 
@@ -393,7 +393,7 @@ def mosaic_backward(q, k, v, lse, delta, do, sc, seg=None, *, causal: bool, seq_
         group = q.shape[2] // k.shape[2]
         mult = jnp.repeat(sc[..., 1], group, axis=1)                     # [b, h]: dq's power-of-two multiplier
         return (dq_acc * mult[:, None, :, None]).astype(out_dtype), dk, dv
-    dq = _dq(q, k, v, do, lse, delta, sc, seg, **kw)
+    dq = dq_kernel(q, k, v, do, lse, delta, sc, seg, **kw)
     if interpret:
         # Mosaic GPU's interpreter simulates one GPU in global state: two kernels interpreted at once (XLA runs
         # independent ops concurrently) deadlock. Make dk/dv wait for dq.

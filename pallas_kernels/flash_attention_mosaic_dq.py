@@ -12,12 +12,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
-from .flash_attention_mosaic import (COMPUTE_WGS, SPAN_WIDTH, TILED, col_of, kv_producer, kv_visibility, mm_pair,
-                                     mma_into, mosaic_interpret_params, over_kv_blocks, query_tile_kv_blocks,
-                                     row_of, span_rows)
+from .mosaic_helpers import (COMPUTE_WGS, SPAN_WIDTH, TILED, col_of, kv_producer, kv_visibility, mm_pair, mma_into,
+                             mosaic_interpret_params, over_kv_blocks, query_tile_kv_blocks, row_of, span_rows)
 
 
-def _dq(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret):
+def dq_kernel(q, k, v, do, lse, delta, sc, seg, *, causal, seq_len, bq, bkv, slots, out_dtype, interpret):
     """Kernel body, kept whole: one GPU program whose warpgroups share the refs, barriers and register state set
     up here; splitting it would only pass those around."""
     b, sp, h, d = q.shape

@@ -16,9 +16,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from .segments import block_spans, cross_block_spans
 
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 _NEG = -1e30            # finite "minus infinity" for masked logits (log2 domain) and the running-max init
-_MIN_BLOCK = 16         # Triton dots need every dimension >= 16
+MIN_BLOCK = 16          # Triton dots need every dimension >= 16
 
 
 def _seg_args(seg, block: int, by_keys: bool = False):
@@ -31,7 +31,7 @@ def _seg_args(seg, block: int, by_keys: bool = False):
     return [q_seg, k_seg, spans]
 
 
-def _visible(q_pos, k_pos, *, causal, sliding_window):
+def visible(q_pos, k_pos, *, causal, sliding_window):
     """Position mask [.., q, k] (bool) or None when every pair is visible."""
     diff = q_pos[:, None] - k_pos[None, :]
     mask = None
@@ -48,7 +48,7 @@ def _visible(q_pos, k_pos, *, causal, sliding_window):
 # ----------------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class FlashConfig:
     backend: str
     causal: bool
     scale: float
@@ -80,11 +80,11 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
-def _tile_mask(q_start, bq, k_start, bk, q_seg, k_seg, cfg: _Config, pad: bool):
+def _tile_mask(q_start, bq, k_start, bk, q_seg, k_seg, cfg: FlashConfig, pad: bool):
     """bool [bq, bk] visibility of a (q tile, kv tile) pair, or None if nothing is ever masked (static)."""
     q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
     k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
-    mask = _visible(q_pos, k_pos, causal=cfg.causal, sliding_window=cfg.window)
+    mask = visible(q_pos, k_pos, causal=cfg.causal, sliding_window=cfg.window)
     if pad:
         valid = jnp.broadcast_to((k_pos < cfg.seq_len)[None, :], (bq, bk))
         mask = valid if mask is None else jnp.logical_and(mask, valid)
@@ -94,7 +94,7 @@ def _tile_mask(q_start, bq, k_start, bk, q_seg, k_seg, cfg: _Config, pad: bool):
     return mask
 
 
-def _kv_block_range(q_start, bq, bk, cfg: _Config):
+def _kv_block_range(q_start, bq, bk, cfg: FlashConfig):
     """[lo, hi) kv block indices that can hold a visible key for queries [q_start, q_start + bq)."""
     if cfg.causal:
         hi_key = jnp.minimum(q_start + bq, cfg.seq_len)
@@ -116,7 +116,7 @@ def _narrow(lo, hi, span_ref, block: int):
             jnp.minimum(hi, lax.div(span_ref[1] + (block - 1), block)))
 
 
-def _q_block_range(k_start, bk, bq, cfg: _Config):
+def _q_block_range(k_start, bk, bq, cfg: FlashConfig):
     """[lo, hi) q block indices that can see a key in [k_start, k_start + bk); padded query rows are skipped."""
     lo = 0
     if cfg.causal:
@@ -137,13 +137,13 @@ def _q_block_range(k_start, bk, bq, cfg: _Config):
 SPLIT_BACKWARD = False
 
 
-def _splits(cfg: _Config, has_seg: bool, backward: bool = False) -> bool:
+def _splits(cfg: FlashConfig, has_seg: bool, backward: bool = False) -> bool:
     """Whether the block loops split into an unmasked and a masked range (static): without segment ids and without
     a sliding window, only the blocks on the causal diagonal and those holding padded keys need a mask."""
     return cfg.window is None and not has_seg and (SPLIT_BACKWARD or not backward)
 
 
-def _kv_block_split(q_start, bq, bk, cfg: _Config):
+def _kv_block_split(q_start, bq, bk, cfg: FlashConfig):
     """(lo, mid, hi): kv blocks [lo, mid) are fully visible to queries [q_start, q_start + bq) (no mask needed),
     [mid, hi) need the mask. Only valid when `_splits` (no window, no segment ids).
 
@@ -157,7 +157,7 @@ def _kv_block_split(q_start, bq, bk, cfg: _Config):
     return lo, jnp.minimum(mid, hi), hi
 
 
-def _q_block_split(k_start, bk, bq, cfg: _Config, pad: bool):
+def _q_block_split(k_start, bk, bq, cfg: FlashConfig, pad: bool):
     """(lo, mid, hi): q blocks [lo, mid) need the mask for keys [k_start, k_start + bk), [mid, hi) see every key
     of the block (no mask needed). Only valid when `_splits` (no window, no segment ids).
 
@@ -174,7 +174,7 @@ def _q_block_split(k_start, bk, bq, cfg: _Config, pad: bool):
     return lo, mid, hi
 
 
-def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, residual: bool):
+def _fwd_kernel(*refs, cfg: FlashConfig, has_seg: bool, pad: bool, residual: bool):
     refs = list(refs)
     ores_ref = refs.pop() if residual else None
     if has_seg:
@@ -233,7 +233,7 @@ def _fwd_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, residual: bool):
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe))              # +inf: p = exp2(s - lse) = 0
 
 
-def _triton_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
+def triton_fwd(q, k, v, seg, sc, cfg: FlashConfig, *, out_dtype, residual: bool):
     """Padded compute-dtype operands (see `_to_compute`), sc [b, kv_heads, 2] fp32 = (logit multiplier in the
     log2 domain, s_v) -> (out [b, s_pad, h, d] in out_dtype, lse [b, h, s_pad] fp32 (log2 domain)[, o_res]),
     o_res = out / s_v in the compute dtype (only with residual=True; the backward's delta reads it)."""
@@ -274,7 +274,7 @@ def _triton_fwd(q, k, v, seg, sc, cfg: _Config, *, out_dtype, residual: bool):
     )(*args)
 
 
-def _dkv_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, group: int):
+def _dkv_kernel(*refs, cfg: FlashConfig, has_seg: bool, pad: bool, group: int):
     if has_seg:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, span_ref, sc_ref, dk_ref, dv_ref = refs
     else:
@@ -333,7 +333,7 @@ def _dkv_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool, group: int):
     dv_ref[...] = (dv * sc_ref[3]).astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
+def _dq_kernel(*refs, cfg: FlashConfig, has_seg: bool, pad: bool):
     if has_seg:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, span_ref, sc_ref, dq_ref = refs
     else:
@@ -378,7 +378,7 @@ def _dq_kernel(*refs, cfg: _Config, has_seg: bool, pad: bool):
     dq_ref[...] = (dq * sc_ref[1]).astype(dq_ref.dtype)
 
 
-def _triton_bwd(q, k, v, seg, lse, delta, do, sc, cfg: _Config, *, out_dtype):
+def triton_bwd(q, k, v, seg, lse, delta, do, sc, cfg: FlashConfig, *, out_dtype):
     """Padded compute-dtype operands (q, k, v, do; see `_to_compute`), lse [b, h, s_pad] (log2 domain), delta
     [b, h, s_pad] = rowsum(do * out) in the operands' units, sc [b, kv_heads, 4] fp32 = (logit multiplier, dq, dk,
     dv multipliers) -> (dq, dk, dv) in out_dtype."""

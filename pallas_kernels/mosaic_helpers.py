@@ -1,12 +1,15 @@
 """Mosaic GPU building blocks shared by the flash attention forward (`flash_attention_mosaic`) and backward
-(`flash_attention_mosaic_bwd`, `flash_attention_mosaic_dq`): wgmma operand layouts in shared memory, matmul
-helpers, which kv blocks a query tile sees (causal diagonal, packed-document spans), and the warpgroup that
-streams K/V blocks into shared-memory slots by TMA (`kv_producer`)."""
+(`flash_attention_mosaic_bwd`, `flash_attention_mosaic_dq`): the warpgroup count and the interpreter's
+parameters, wgmma operand layouts in shared memory, matmul helpers, which kv blocks a query tile sees (causal
+diagonal, packed-document spans), and the warpgroup that streams K/V blocks into shared-memory slots by TMA
+(`kv_producer`)."""
 
 from __future__ import annotations
 
 import functools
+import os
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -14,8 +17,38 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .segments import block_spans
 
+COMPUTE_WGS = 2   # compute warpgroups per CTA (FlashAttention-3's ping-pong pair); a third produces K/V by TMA
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # wgmma operand layout in shared memory
 TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # the same 128-byte swizzle for fp32
+
+
+# Mosaic GPU's interpreter runs each warpgroup (two compute, one producer) as an XLA computation of its own that
+# blocks in callbacks on simulated barriers, while the kernel's own computation waits for them: all four need an
+# XLA CPU thread at once. XLA's CPU client has max(cores, CPU devices) threads; with fewer it deadlocks.
+INTERPRET_THREADS = COMPUTE_WGS + 2
+
+
+def interpret_threads() -> int:
+    """Threads of XLA's CPU client here: max(usable cores, CPU devices)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores, len(jax.devices("cpu")))
+
+
+def mosaic_interpret_params():
+    """Mosaic GPU interpret-mode parameters, or a clear error where this JAX has no public GPU interpreter or
+    where XLA's CPU client has too few threads to run it without deadlocking."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        raise NotImplementedError(
+            f"flash_attention(backend='mosaic', interpret=True) needs Mosaic GPU's interpreter "
+            f"(jax >= 0.11; this is jax {jax.__version__}); use backend='triton' on CPU")
+    if interpret_threads() < INTERPRET_THREADS:
+        raise RuntimeError(
+            f"flash_attention(backend='mosaic', interpret=True) needs {INTERPRET_THREADS} XLA CPU threads (one per "
+            f"simulated warpgroup, and the kernel's own), and XLA has {interpret_threads()} here (max of cores "
+            f"and CPU devices); with fewer the interpreter deadlocks. Start Python with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={INTERPRET_THREADS}, or use backend='triton'")
+    return params()
 
 
 def row_of(x, n):

@@ -136,7 +136,7 @@ def test_help_lists_fields_with_docs_and_defaults():
 def test_mosaic_on_cpu_refuses_too_few_xla_threads(monkeypatch):
     """Mosaic GPU's interpreter needs an XLA CPU thread per simulated warpgroup plus one; with fewer it hangs
     (seen on a 2-core machine with one CPU device), so both the config and the kernel refuse."""
-    from pallas_kernels import flash_attention_mosaic as fam
+    from pallas_kernels import mosaic_helpers as fam
 
     cfg = config_lib.load(None, ["model.attention_impl=mosaic", "data.reset_at_eod=false", "model.hidden_size=256",
                                  "model.num_heads=4", "model.num_kv_heads=2", "model.dtype=bfloat16"])

@@ -26,7 +26,7 @@ from jaxtron.data.indexed import write_dataset
 from jaxtron.data.tokenizer_record import BYTE_RECORD
 from jaxtron.evaluate import __main__ as evaluate_cli
 from jaxtron.evaluate import evaluate, windows_from_tokens
-from jaxtron.generate import load_model
+from jaxtron.convert.loading import load_model
 from jaxtron.model.llama import Llama
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

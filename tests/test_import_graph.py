@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -137,14 +138,35 @@ def _strongly_connected(edges) -> list[list[str]]:
     return [c for c in out if len(c) > 1]
 
 
+def _shortest_cycle(start: str, component: set, edges) -> list[str]:
+    """The shortest import path from ``start`` back to itself inside ``component`` (breadth first)."""
+    parent, frontier = {start: None}, [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(edges[v]):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return path[::-1] + [start]
+                if w in component and w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return [start]
+
+
 def import_cycles(modules) -> list[str]:
+    """One shortest cycle per set of mutually importing modules, each import with its file:line."""
     edges = import_edges(modules)
     out = []
     for component in _strongly_connected(edges):
-        inside = [f"    {where} imports {target}" for source in component
-                  for target, places in sorted(edges[source].items()) if target in component
-                  for where in places]
-        out.append(f"cycle among {', '.join(component)}:\n" + "\n".join(inside))
+        path = _shortest_cycle(component[0], set(component), edges)
+        steps = [f"    {', '.join(edges[a][b])} imports {b}" for a, b in zip(path, path[1:])]
+        more = f" (one of the cycles among {', '.join(component)})" \
+            if len(component) > len(path) - 1 else ""
+        out.append(f"cycle {' -> '.join(path)}{more}:\n" + "\n".join(steps))
     return out
 
 
@@ -271,7 +293,17 @@ def reexports(modules) -> list[str]:
 
 
 def violations(root: pathlib.Path = ROOT, packages=PACKAGES) -> dict[str, list[str]]:
-    modules = load_modules(root, packages)
+    if root == ROOT and packages == PACKAGES:
+        return _tree_violations()
+    return _violations(load_modules(root, packages))
+
+
+@functools.cache
+def _tree_violations() -> dict[str, list[str]]:  # the three tests on the real tree share one read of it
+    return _violations(load_modules(ROOT))
+
+
+def _violations(modules) -> dict[str, list[str]]:
     return {"import cycles": import_cycles(modules), "private imports": private_imports(modules),
             "re-exports or unused imports": reexports(modules)}
 
@@ -295,6 +327,44 @@ def test_no_reexport_shims():
     assert not found, _report("imports a module re-exports or never uses", found)
 
 
+def _defines(module: Module, name: str) -> bool:
+    """Whether ``module`` defines ``name`` at its top level (a package ``__init__``: or gathers it from its own
+    submodules, its API)."""
+    for node in module.tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+        if module.is_package and isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                (node.module or "").startswith(module.name + ".") and any(
+                    (a.asname or a.name) == name for a in node.names):
+            return True
+    return False
+
+
+def test_the_lazy_api_points_where_each_name_is_defined():
+    """``jaxtron/__init__.py`` imports its public names on first use from ``_EXPORTS``; each entry names the
+    module that defines the name (not one that re-exports it), and the ``TYPE_CHECKING`` imports for type
+    checkers say the same."""
+    modules = load_modules(ROOT)
+    root = modules["jaxtron"]
+    exports = next(ast.literal_eval(n.value) for n in root.tree.body
+                   if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in n.targets))
+    wrong = [f"{public}: {mod}.{attr}" for public, (mod, attr) in sorted(exports.items())
+             if mod not in modules or (attr is not None and not _defines(modules[mod], attr))]
+    assert not wrong, "jaxtron._EXPORTS entries whose module does not define the name:\n" + "\n".join(wrong)
+    checking = next(n for n in root.tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {}
+    for node in ast.walk(checking):
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                typed[a.asname or a.name] = (sub, None) if sub in modules else (node.module, a.name)
+    assert typed == exports, "jaxtron/__init__.py: the TYPE_CHECKING imports and _EXPORTS differ"
+
+
 def _package(tmp_path, files: dict[str, str]) -> pathlib.Path:
     for rel, text in files.items():
         path = tmp_path / "pkg" / rel
@@ -311,7 +381,7 @@ def test_the_check_sees_a_cycle_through_a_function_local_import(tmp_path):
         "c.py": "import pkg.a\n\nX = pkg.a.f\n",
     })
     assert violations(root, ("pkg",))["import cycles"] == [
-        "cycle among pkg.a, pkg.b:\n    pkg/a.py:1 imports pkg.b\n    pkg/b.py:2 imports pkg.a"]
+        "cycle pkg.a -> pkg.b -> pkg.a:\n    pkg/a.py:1 imports pkg.b\n    pkg/b.py:2 imports pkg.a"]
 
 
 def test_the_check_sees_a_cycle_through_a_package_init(tmp_path):
@@ -322,7 +392,7 @@ def test_the_check_sees_a_cycle_through_a_package_init(tmp_path):
         "sub/fine.py": "from pkg.sub.search import search\n\nX = search\n",
     })
     found = violations(root, ("pkg",))["import cycles"]
-    assert found == ["cycle among pkg.sub, pkg.sub.search:\n    pkg/sub/__init__.py:1 imports pkg.sub.search\n"
+    assert found == ["cycle pkg.sub -> pkg.sub.search -> pkg.sub:\n    pkg/sub/__init__.py:1 imports pkg.sub.search\n"
                      "    pkg/sub/search.py:2 imports pkg.sub"]
 
 

@@ -183,21 +183,21 @@ def test_flash_attention_fully_masked_rows_no_nan():
     """
     seq, window = 40, 4
     q, k, v, do, seg = _inputs(41, 1, seq, 4, 2, 64, jnp.float32, True)
-    cfg = fa_mod._Config(backend="triton", causal=True, scale=0.125, window=window, seq_len=seq, block_q=32,
+    cfg = fa_mod.FlashConfig(backend="triton", causal=True, scale=0.125, window=window, seq_len=seq, block_q=32,
                          block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4, num_stages=2,
                          num_warps_bwd=4, num_stages_bwd=2, interpret=True)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 64 - seq)) + ((0, 0),) * (x.ndim - 2))
     qp, kp, vp, dop, segp = map(pad, (q, k, v, do, seg))
     dop = dop.at[:, seq:].set(1.0)  # nonzero cotangent on the fully masked rows
     ones = jnp.ones((1, 2), jnp.float32)
-    fwd_sc = jnp.stack([ones * 0.125 * fa_mod._LOG2E, ones], -1)         # fp32: operands are not rescaled
-    out, lse = fa_mod._triton_fwd(qp, kp, vp, segp, fwd_sc, cfg, out_dtype=jnp.float32, residual=False)
+    fwd_sc = jnp.stack([ones * 0.125 * fa_mod.LOG2E, ones], -1)         # fp32: operands are not rescaled
+    out, lse = fa_mod.triton_fwd(qp, kp, vp, segp, fwd_sc, cfg, out_dtype=jnp.float32, residual=False)
     out, lse = np.asarray(out), np.asarray(lse)
     assert np.all(out[:, seq + window - 1:] == 0.0) and np.all(np.isfinite(out))
     assert np.all(np.isposinf(lse[:, :, seq + window - 1:])) and np.all(np.isfinite(lse[:, :, :seq]))
     delta = jnp.einsum("bshd,bshd->bhs", out, dop)
-    bwd_sc = jnp.stack([ones * 0.125 * fa_mod._LOG2E, ones * 0.125, ones * 0.125, ones], -1)
-    dq, dk, dv = fa_mod._triton_bwd(qp, kp, vp, segp, jnp.asarray(lse), delta, dop, bwd_sc, cfg,
+    bwd_sc = jnp.stack([ones * 0.125 * fa_mod.LOG2E, ones * 0.125, ones * 0.125, ones], -1)
+    dq, dk, dv = fa_mod.triton_bwd(qp, kp, vp, segp, jnp.asarray(lse), delta, dop, bwd_sc, cfg,
                                     out_dtype=jnp.float32)
     for g in (dq, dk, dv):
         assert np.all(np.isfinite(np.asarray(g)))
@@ -212,14 +212,14 @@ def test_flash_attention_fully_masked_rows_no_nan():
 
 def test_reference_fully_masked_row_is_zero(monkeypatch):
     # Force an all-False row into the reference's position mask: output 0 there, gradients finite.
-    orig = fa_mod._visible
+    orig = fa_mod.visible
 
     def visible(q_pos, k_pos, **kw):
         m = orig(q_pos, k_pos, **kw)
         m = jnp.ones((q_pos.shape[0], k_pos.shape[0]), bool) if m is None else m
         return m.at[3].set(False)
 
-    monkeypatch.setattr(fa_mod, "_visible", visible)
+    monkeypatch.setattr(fa_mod, "visible", visible)
     q, k, v, do, _ = _inputs(51, 1, 8, 2, 1, 64, jnp.float32, False)
     out, dq, dk, dv = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, causal=False))(q, k, v, do)
     assert np.all(np.asarray(out)[:, 3] == 0.0)
@@ -245,7 +245,7 @@ def test_flash_attention_pallas_calls_auto_interpret_and_jit_grad():
 def test_loop_bounds_skip_masked_blocks():
     """The kv loop of a q block (forward, dq) and the q loop of a kv block (dk/dv) only visit blocks that can hold
     a visible pair: nothing above the causal diagonal, nothing left of / beyond the window, no padded blocks."""
-    cfg = lambda causal, window, seq_len: fa_mod._Config(
+    cfg = lambda causal, window, seq_len: fa_mod.FlashConfig(
         backend="triton", causal=causal, scale=1.0, window=window, seq_len=seq_len, block_q=16, block_k=16,
         block_q_bwd=16, block_k_bwd=16, num_warps=4, num_stages=2, num_warps_bwd=4, num_stages_bwd=2,
         interpret=True)
@@ -270,7 +270,7 @@ def test_block_splits_mask_exactly_where_needed(causal):
             for seq_len in (40, 64, 72, 100, 128):
                 sp = -(-seq_len // max(bq, bk)) * max(bq, bk)
                 pad = sp != seq_len
-                c = fa_mod._Config(backend="triton", causal=causal, scale=1.0, window=None, seq_len=seq_len,
+                c = fa_mod.FlashConfig(backend="triton", causal=causal, scale=1.0, window=None, seq_len=seq_len,
                                    block_q=bq, block_k=bk, block_q_bwd=bq, block_k_bwd=bk, num_warps=4,
                                    num_stages=2, num_warps_bwd=4, num_stages_bwd=2, interpret=True)
                 full = lambda q_start, k_start: (

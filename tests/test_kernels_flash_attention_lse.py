@@ -90,10 +90,10 @@ def test_kv_segment_ids_need_the_query_ids_and_triton():
     ids = jnp.ones((1, 16), jnp.int32)
     with pytest.raises(ValueError, match="kv_segment_ids"):
         flash_attention_lse(x, x, x, kv_segment_ids=ids)
-    from pallas_kernels.flash_attention import _prepare
+    from pallas_kernels.flash_attention import prepare
 
     with pytest.raises(ValueError, match="kv_segment_ids"):
-        _prepare(x, x, x, causal=True, segment_ids=ids, kv_segment_ids=ids, softmax_scale=None,
+        prepare(x, x, x, causal=True, segment_ids=ids, kv_segment_ids=ids, softmax_scale=None,
                  sliding_window=None, block_q=None, block_k=None, block_q_bwd=None, block_k_bwd=None,
                  num_warps=None, num_stages=None, num_warps_bwd=None, num_stages_bwd=None, interpret=True,
                  backend="mosaic", fuse_dq=None)

@@ -132,14 +132,14 @@ def test_mosaic_forward_and_gradients_match_reference(case):
 def test_mosaic_forward_equals_triton_forward_residuals():
     """The backends' kernels share their residuals, so the forwards must agree on them: the log-sum-exp closely,
     the output to fp16 rounding. Three K/V slots and 64-key blocks exercise the producer's refill loop."""
-    from pallas_kernels.flash_attention import _IMPLS, _Config, _fwd_operands
+    from pallas_kernels.flash_attention import _IMPLS, FlashConfig, _fwd_operands
 
     q, k, v, _ = _inputs(7, 1, 256, 4, 2, 64, jnp.bfloat16)
     base = dict(causal=True, scale=0.125, window=None, seq_len=256, block_q=64, block_k=64, block_q_bwd=64,
                 block_k_bwd=64, num_warps=4, num_stages=3, num_warps_bwd=4, num_stages_bwd=2, interpret=True)
     res = {}
     for backend in ("triton", "mosaic"):
-        cfg = _Config(backend=backend, **base)
+        cfg = FlashConfig(backend=backend, **base)
         ops, sc, _ = _fwd_operands(q, k, v, cfg)
         res[backend] = _IMPLS[backend][0](*ops, None, sc, cfg, out_dtype=q.dtype, residual=True)
     (o_t, lse_t, r_t), (o_m, lse_m, r_m) = res["triton"], res["mosaic"]

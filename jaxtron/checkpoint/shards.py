@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from jaxtron.checkpoint import integrity
-from jaxtron.checkpoint.integrity import (HASH, CheckpointMismatchError, CheckpointReadError,  # noqa: F401
+from jaxtron.checkpoint.integrity import (HASH, CheckpointMismatchError, CheckpointReadError,
                                           CheckpointWriteError, NonFiniteStateError)
 
 FORMAT = "jaxtron-shards-1"

@@ -152,7 +152,7 @@ def check(cfg, platform: Optional[str] = None, *, num_devices: int = 1, micro_ba
                f"'mosaic' on CPU (interpreted) sums its fused dq through {need / 2**30:.1f} GiB of partial sums at "
                f"data.seq_len={cfg.data.seq_len}; set model.deterministic_attention=true or a shorter data.seq_len")
     if platform == "cpu":
-        from pallas_kernels.flash_attention_mosaic import INTERPRET_THREADS, interpret_threads
+        from pallas_kernels.mosaic_helpers import INTERPRET_THREADS, interpret_threads
 
         require(num_devices == 1, "model.attention_impl",
                f"'mosaic' on CPU runs in Mosaic GPU's interpreter, which simulates one GPU per process: kernels "
