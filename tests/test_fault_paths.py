@@ -1,9 +1,11 @@
 """Fault paths a new user meets, each ending in one line that names the file or the value (issue 37):
-incomplete checkpoint steps (verify and restore), an unreadable Orbax step record, a garbled meta."""
+incomplete checkpoint steps (verify and restore), an unreadable Orbax step record, a garbled meta, a tokenizer
+smaller than the model's vocabulary."""
 
 import json
 import logging
 import os
+import re
 import shutil
 
 import jax
@@ -120,3 +122,45 @@ def test_orbax_save_waits_are_said_once_at_info(caplog):
     # the first wait of the process is said at info level (an earlier test may have had it), the rest at debug
     assert said[-2:] == [("jaxtron", "DEBUG", "checkpoint: waited 2.5 s"), ("jaxtron", "DEBUG", "checkpoint: waited 0.9 s")]
     assert said[:-2] in ([("jaxtron", level, "checkpoint: waited 1.8 s")] for level in ("INFO", "DEBUG")), said
+
+
+@pytest.fixture(scope="module")
+def bpe_sized_import(tmp_path_factory):
+    """A weights-only checkpoint imported from a random HF Llama whose vocabulary (400) is larger than the byte
+    tokenizer's, from a folder without a tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    from jaxtron.convert import checkpoint_io
+
+    cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    src = str(tmp_path_factory.mktemp("hf"))
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    out = str(tmp_path_factory.mktemp("imported") / "ckpt")
+    checkpoint_io.import_hf(src, out)
+    return out
+
+
+def test_generate_with_a_tokenizer_smaller_than_the_model_decodes_what_it_can(bpe_sized_import, capsys):
+    from jaxtron.generate import __main__ as generate_cli
+
+    # near-uniform logits over 400 ids, sampled: ids >= 256 come out (the byte tokenizer cannot decode them)
+    argv = ["--checkpoint", bpe_sized_import, "--prompt", "ab", "--max-new-tokens", "16", "--temperature", "1"]
+    assert generate_cli.main(argv) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("ab") and "\ufffd" in out.out, out
+    warnings = out.err.strip().splitlines()
+    assert "Traceback" not in out.err and all(w.startswith("warning: ") for w in warnings), warnings
+    assert warnings[0] == (f"warning: {bpe_sized_import} records no tokenizer (the Hugging Face folder it was "
+                           "imported from had no tokenizer.json): using the byte tokenizer; pass --tokenizer if it "
+                           "was trained with another")
+    assert re.fullmatch(r"warning: \d+ generated ids are outside the tokenizer's 256 ids \(the model has 400\), "
+                        "shown as \ufffd: pass the tokenizer the model was trained with", warnings[1]), warnings
+
+
+def test_decode_known_counts_what_the_tokenizer_lacks():
+    from jaxtron.data.tokenizers import ByteLevelTokenizer
+    from jaxtron.generate import decode_known
+
+    tok = ByteLevelTokenizer()
+    assert decode_known(tok, list(b"hi")) == ("hi", 0)
+    assert decode_known(tok, [104, 300, 105, 399, 399]) == ("h\ufffdi\ufffd\ufffd", 3)

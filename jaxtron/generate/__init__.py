@@ -47,7 +47,7 @@ from jaxtron.convert.loading import is_hf_folder, load_model  # noqa: F401  (re-
 from jaxtron.model.cache import init_cache
 
 __all__ = ["generate", "generate_no_cache", "GenerateOutput", "nucleus_mask", "sample_logits", "load_model",
-           "default_tokenizer", "checkpoint_tokenizer"]
+           "default_tokenizer", "checkpoint_tokenizer", "decode_known"]
 
 
 class GenerateOutput(NamedTuple):
@@ -252,14 +252,34 @@ def checkpoint_tokenizer(path: str, kind: str, meta: dict, directory: str, spec:
                              f"pass --tokenizer (byte, a tokenizer.json or a SentencePiece .model)")
     if rec:
         return tokenizer_record.load_recorded(directory, rec, os.path.abspath(path)), None
-    return load_tokenizer("byte"), (f"{os.path.abspath(path)} records no tokenizer (saved by an older jaxtron): "
-                                    f"using the byte tokenizer; pass --tokenizer if it was trained with another")
+    why = ("the Hugging Face folder it was imported from had no tokenizer.json" if meta.get("source") == "hf"
+           else "saved by an older jaxtron")
+    return load_tokenizer("byte"), (f"{os.path.abspath(path)} records no tokenizer ({why}): using the byte "
+                                    f"tokenizer; pass --tokenizer if it was trained with another")
 
 
 def check_tokenizer_fits(tok, vocab_size: int, what: str = "--tokenizer") -> None:
     tv = getattr(tok, "vocab_size", None)
     if tv is not None and tv > vocab_size:
         raise ValueError(f"{what}: the tokenizer has {tv} ids but the model's vocabulary has {vocab_size}")
+
+
+def decode_known(tok, ids) -> tuple[str, int]:
+    """``(text, unknown)``: ``ids`` decoded, each id the tokenizer does not have (a model whose vocabulary is
+    larger than the tokenizer's, e.g. ``--tokenizer byte`` on a BPE model) shown as U+FFFD and counted."""
+    size = getattr(tok, "vocab_size", None)
+    if size is None or all(0 <= i < size for i in ids):
+        return tok.decode(ids), 0
+    parts, run, unknown = [], [], 0
+    for i in ids:
+        if 0 <= i < size:
+            run.append(i)
+            continue
+        parts.append(tok.decode(run) if run else "")
+        parts.append("\ufffd")
+        run, unknown = [], unknown + 1
+    parts.append(tok.decode(run) if run else "")
+    return "".join(parts), unknown
 
 
 def to_json(obj) -> str:

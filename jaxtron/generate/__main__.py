@@ -8,8 +8,9 @@
 CKPT is a jaxtron checkpoint (training run's ``checkpoints`` directory, one step directory of it, or the
 output of ``python -m jaxtron.convert import-hf``) or a Hugging Face folder (has ``config.json``). The
 tokenizer defaults to the one the checkpoint records (its copy in the checkpoint directory; ``byte``, with
-a warning, for checkpoints saved before jaxtron recorded tokenizers) and to the folder's ``tokenizer.json``
-for Hugging Face folders. Generation stops at the tokenizer's end-of-document token, and at the model's
+a warning, for checkpoints saved before jaxtron recorded tokenizers or imported from a folder without one) and
+to the folder's ``tokenizer.json`` for Hugging Face folders. Generated ids the tokenizer does not have (a model
+vocabulary larger than the tokenizer's) print as U+FFFD, with a warning counting them. Generation stops at the tokenizer's end-of-document token, and at the model's
 maximum positions (the longest sequence it was trained on; HF: ``max_position_embeddings``): a longer
 ``--max-new-tokens`` is cut with a warning. Prints each prompt followed by its continuation (``--json``:
 one JSON object per prompt).
@@ -108,14 +109,19 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError, ValueError, OSError) as err:
         print("error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
+    unknown = 0
     for text, row in zip(args.prompt, out.rows()):
         body = row[:-1] if row and row[-1] == tok.eod else row
-        completion = tok.decode(body)
+        completion, n = gen.decode_known(tok, body)
+        unknown += n
         if args.json:
             print(gen.to_json({"prompt": text, "completion": completion, "tokens": row,
                                "stopped_at_eos": bool(row) and row[-1] == tok.eod}))
         else:
             print(text + completion)
+    if unknown:
+        print(f"warning: {unknown} generated ids are outside the tokenizer's {tok.vocab_size} ids (the model has "
+              f"{cfg.vocab_size}), shown as \ufffd: pass the tokenizer the model was trained with", file=sys.stderr)
     return 0
 
 
