@@ -17,12 +17,15 @@ test_mosaic_attention_trains_like_pallas (three interpreted training steps, 150 
 checked by test_mosaic_attention_gradients_match_xla). It passes only if pytest exits 0 with at least
 MIN_PASSED passed and nothing skipped: a silent skip there would hide that the numerics did not run.
 
-No Python 3.12 is a failure, not a skip, unless JAXTRON_NO_PY312=1 says so. Under a JAX that has the
+Building the environment is announced on the terminal (pytest's capture bypassed). The pytest run there is
+limited to JAXTRON_PY312_TIMEOUT_S (default 2400 s: a hung interpreter, not a machine slowed by the suite's other
+workers). No Python 3.12 is a failure, not a skip, unless JAXTRON_NO_PY312=1 says so. Under a JAX that has the
 interpreter, the tests above ran in this very run, and this one skips itself.
 """
 
 import importlib.util
 import os
+import sys
 
 import jax
 import pytest
@@ -32,6 +35,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("mosaic_py312", os.path.join(REPO, "scripts", "mosaic_py312.py"))
 mosaic_py312 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mosaic_py312)
+
+
+def _announce(line: str) -> None:
+    print(f"\n[{os.path.basename(__file__)}] {line}", file=sys.__stderr__, flush=True)
 
 
 def _tail(text: str, chars: int = 8000) -> str:
@@ -51,7 +58,8 @@ def test_mosaic_interpreter_tests_pass_in_python312_env():
         + ", ".join(mosaic_py312.candidates() or ["nothing"]) + "). Install one (`pyenv install 3.12`), point "
         "JAXTRON_PY312 at one, or set JAXTRON_NO_PY312=1 to run without the Mosaic kernels' numerics")
 
-    env, build_s = mosaic_py312.ensure_env(info)
+    # said on the terminal itself (pytest captures the test's output): an 800 MB download should not be silent
+    env, build_s = mosaic_py312.ensure_env(info, log=_announce)
     rc, output, test_s = mosaic_py312.run_tests(env)
     counts = mosaic_py312.summary_counts(output) or {}
     print(f"Python 3.12 env {env}: {'built in %.0f s' % build_s if build_s else 'cached'}; "
@@ -61,3 +69,16 @@ def test_mosaic_interpreter_tests_pass_in_python312_env():
         f"only {counts.get('passed', 0)} passed (expected >= {mosaic_py312.MIN_PASSED}): {counts}\n{_tail(output)}")
     bad = {k: n for k, n in counts.items() if k not in ("passed", "deselected", "warnings", "warning")}
     assert not bad, f"the Mosaic tests in the Python 3.12 env did not all run and pass: {counts}\n{_tail(output)}"
+
+
+def test_the_second_environment_is_announced_where_it_is_built(monkeypatch, tmp_path):
+    """The README's test section names what the suite builds, where, and how to skip it; the location is the
+    one the script uses; the limit on its pytest run outlasts a suite slowed 4x (about 16 of the 4 minutes)."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    section = readme[readme.index('pip install -e ".[test]"'):readme.index("## Training")]
+    for needle in ("~/.cache/jaxtron/py312-env", "800 MB", "JAXTRON_NO_PY312=1", "scripts/mosaic_py312.py"):
+        assert needle in section, needle
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert mosaic_py312.cache_root() == str(tmp_path / ".cache" / "jaxtron" / "py312-env")
+    assert mosaic_py312.TEST_TIMEOUT_S >= 4 * 4 * 60 * 1.5
