@@ -164,3 +164,32 @@ def test_decode_known_counts_what_the_tokenizer_lacks():
     tok = ByteLevelTokenizer()
     assert decode_known(tok, list(b"hi")) == ("hi", 0)
     assert decode_known(tok, [104, 300, 105, 399, 399]) == ("h\ufffdi\ufffd\ufffd", 3)
+
+
+def test_export_writes_weights_readable_like_the_other_files(bpe_sized_import, tmp_path, capsys):
+    from jaxtron.convert.__main__ import main as convert_cli
+
+    out = tmp_path / "hf"
+    old = os.umask(0o022)
+    try:
+        assert convert_cli(["export-hf", "--checkpoint", bpe_sized_import, "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    modes = {f: oct(os.stat(out / f).st_mode & 0o777) for f in os.listdir(out)}
+    assert modes["model.safetensors"] == modes["config.json"] == oct(0o644), modes
+
+
+def test_convert_help_and_deepseek_export_say_what_is_true(capsys):
+    from jaxtron import config as config_lib
+    from jaxtron.convert import hf
+    from jaxtron.convert.__main__ import main as convert_cli
+
+    with pytest.raises(SystemExit):
+        convert_cli(["import-hf", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "MixtralForCausalLM or Qwen3MoeForCausalLM folder" in text, text
+    cfg = config_lib.load("deepseek_v3_small", [])
+    with pytest.raises(ValueError, match=r"^model\.moe: a DeepSeek-V3-style MoE \(num_shared_experts=1, "
+                                         r"score_func=sigmoid, .*\) has no Hugging Face export yet; export-hf writes "
+                                         r"LlamaForCausalLM, .*Qwen3MoeForCausalLM$"):
+        hf.config_to_hf(cfg.model)

@@ -163,6 +163,15 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
 
 def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
     if cfg.moe.num_experts:  # Q/K norms: Qwen3-MoE, else Mixtral
+        # DeepSeek-V3's routing (sigmoid scores, group-limited top-k, scaled weights, bias balancing) has no
+        # spelling in Mixtral or Qwen3-MoE, and DeepseekV3ForCausalLM is not written yet: say that, not which
+        # Mixtral field differs
+        e, plain = cfg.moe, dict(score_func="softmax", n_group=1, routed_scaling_factor=1.0, aux_free_bias=False)
+        deepseek = {k: getattr(e, k) for k, v in plain.items() if getattr(e, k) != v}
+        if architecture is None and deepseek:
+            shown = ({"num_shared_experts": e.num_shared_experts} if e.num_shared_experts else {}) | deepseek
+            raise ValueError("model.moe: a DeepSeek-V3-style MoE (" + ", ".join(f"{k}={v}" for k, v in shown.items())
+                             + ") has no Hugging Face export yet; export-hf writes " + ", ".join(ARCHITECTURES))
         arch = architecture or (QWEN3_MOE if cfg.qk_norm else MIXTRAL)
         if arch not in MOE_ARCHITECTURES:
             raise ValueError(f"architecture: an MoE model saves as one of {list(MOE_ARCHITECTURES)}, not {arch!r}")

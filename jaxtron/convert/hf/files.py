@@ -127,6 +127,12 @@ def remove_old_weights(hf_dir: str) -> None:
             os.remove(os.path.join(hf_dir, fname))
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write(tensors: Mapping[str, np.ndarray], hf_dir: str, max_shard_bytes: int, dtype: np.dtype) -> None:
     """Write ``tensors`` in ``dtype`` as ``model.safetensors``, or above ``max_shard_bytes`` as shards with an
     index, replacing the weight files an earlier save left in ``hf_dir``."""
@@ -138,6 +144,7 @@ def write(tensors: Mapping[str, np.ndarray], hf_dir: str, max_shard_bytes: int, 
         fname = WEIGHTS_NAME if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         chunk = {n: np.ascontiguousarray(tensors[n], dtype=dtype) for n in names}
         save_file(chunk, os.path.join(hf_dir, fname), metadata={"format": "pt"})
+        os.chmod(os.path.join(hf_dir, fname), 0o666 & ~_umask())  # safetensors writes 0600; the rest are 0666-umask
         total += sum(a.nbytes for a in chunk.values())
         weight_map.update(dict.fromkeys(names, fname))
         del chunk
