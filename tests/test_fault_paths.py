@@ -193,3 +193,11 @@ def test_convert_help_and_deepseek_export_say_what_is_true(capsys):
                                          r"score_func=sigmoid, .*\) has no Hugging Face export yet; export-hf writes "
                                          r"LlamaForCausalLM, .*Qwen3MoeForCausalLM$"):
         hf.config_to_hf(cfg.model)
+
+
+@pytest.mark.parametrize("lr", ["1e39", "inf", "50"])
+def test_a_learning_rate_past_any_sane_range_is_refused(lr):
+    from jaxtron import config as config_lib
+
+    with pytest.raises(config_lib.ConfigError, match=r"^optim\.lr: must be a finite learning rate <= 10, got "):
+        config_lib.load(None, [f"optim.lr={lr}"])

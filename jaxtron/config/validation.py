@@ -7,6 +7,7 @@ which the entry points call on the configured sizes and again on the Layout's re
 
 from __future__ import annotations
 
+import math
 import os
 from functools import reduce
 
@@ -139,6 +140,9 @@ def _validate_moe(cfg: Config) -> None:
 def _validate_optim(cfg: Config) -> None:
     o = cfg.optim
     _positive(cfg, "optim.lr")
+    # an lr past float32's range becomes inf in the step (1e39 did, with numpy overflow warnings); even 10 is
+    # far beyond any optimizer's stable range
+    check(math.isfinite(o.lr) and o.lr <= 10.0, "optim.lr", f"must be a finite learning rate <= 10, got {o.lr}")
     check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     _one_of(cfg, "optim.schedule", SCHEDULES)
     check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
