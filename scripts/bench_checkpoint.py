@@ -48,7 +48,7 @@ def parse_args(argv=None):
 
 def _setup(overrides, layout):
     from jaxtron import config as config_lib
-    from jaxtron.train.loop import Trainer
+    from jaxtron.train.trainer import Trainer
     cfg = config_lib.load(None, MODEL + list(overrides) + list(layout))
     return Trainer(cfg)
 

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     import jax
     from jaxtron.plan.model import param_count
     from jaxtron.train.flops import flops_per_token
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
     from jaxtron.train.metrics import device_memory
 
     try:

@@ -136,7 +136,7 @@ def _record(cfg, devices, steps: int, batch_seed: int, documents: int, metrics: 
     import jax
     import numpy as np
 
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     trainer = Trainer(cfg, devices)
     batch = put_batch(synthetic_batch(cfg, batch_seed, documents), trainer.batch_sharding)

@@ -11,8 +11,9 @@ import pytest
 
 from helpers import synthetic_batch, tiny_config
 from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params
-from jaxtron.train import training
-from jaxtron.train.loop import Trainer, TrainingAborted, put_batch
+from jaxtron.train import loop
+from jaxtron.train.callbacks import TrainingAborted
+from jaxtron.train.trainer import Trainer, put_batch
 
 SMALL_DATA = ("data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1", "logging.log_every=1")
 
@@ -113,14 +114,14 @@ class _StopAfter:
 
 def _record_batches(monkeypatch):
     hashes = []
-    real = training.put_local_batch
+    real = loop.put_local_batch
 
     def put(local, sharding, global_batch):
         hashes.append(hashlib.sha256(b"".join(np.ascontiguousarray(local[k]).tobytes()
                                               for k in sorted(local))).hexdigest())
         return real(local, sharding, global_batch)
 
-    monkeypatch.setattr(training, "put_local_batch", put)
+    monkeypatch.setattr(loop, "put_local_batch", put)
     return hashes
 
 
@@ -135,13 +136,13 @@ def test_exact_resume_same_losses_and_batches(tmp_path, monkeypatch):
 
     out = f"train.output_dir={tmp_path}/resumed"
     hashes.clear()
-    monkeypatch.setattr(training, "StopSignals", lambda: _StopAfter(3))
+    monkeypatch.setattr(loop, "StopSignals", lambda: _StopAfter(3))
     first = Trainer(tiny_config(*common, out)).train()
     first_hashes = hashes[:3]  # it had also fetched batch 3 (the next step's) when it stopped
     hashes.clear()
     assert first.stopped_by == "SIGTERM" and first.final_step == 3
     assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == ["3"]
-    monkeypatch.setattr(training, "StopSignals", lambda: _StopAfter(10**9))
+    monkeypatch.setattr(loop, "StopSignals", lambda: _StopAfter(10**9))
     second = Trainer(tiny_config(*common, out)).train()
     assert second.start_step == 3 and second.final_step == 6 and second.initial_eval_loss is None
     assert first.losses + second.losses == full.losses  # bit-identical floats

@@ -15,7 +15,8 @@ import pytest
 from helpers import tiny_config
 from jaxtron.checkpoint import CheckpointError, Checkpointer, shards
 from jaxtron.checkpoint.__main__ import main as checkpoint_cli
-from jaxtron.train.loop import Trainer, TrainingAborted
+from jaxtron.train.callbacks import TrainingAborted
+from jaxtron.train.trainer import Trainer
 
 COMMON = ("train.eval_every=0", "data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1",
           "logging.log_every=1", "checkpoint.every_steps=2", "checkpoint.keep=3")

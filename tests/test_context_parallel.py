@@ -83,7 +83,7 @@ def test_collectives_of_each_impl():
     import re
 
     from helpers import synthetic_batch
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     def ops(impl):
         cfg = _config(*C2_D2_T2, f"parallel.context_impl={impl}", "data.reset_at_eod=true", "model.num_layers=1")
@@ -105,7 +105,7 @@ def test_sequence_is_split_over_context():
     """Compiled temp memory per device of the train step: context 8 holds an eighth of each sequence's
     activations (plus the gathered K and V), so it needs far less than one device with the whole batch."""
     from helpers import synthetic_batch
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     def temp_bytes(overrides, devices):
         cfg = _config(*overrides, "data.seq_len=256", "model.num_layers=2")

@@ -98,7 +98,7 @@ def test_training_with_fp8_stays_close_to_full_precision():
 
 def _train_losses(*overrides, steps=30):
     from helpers import synthetic_batch
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     cfg = tiny_config(*NONZERO_LR, "optim.lr=3e-3", *overrides)
     trainer = Trainer(cfg, jax.devices()[:1])
@@ -217,7 +217,7 @@ def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
     accumulation micro batches, and 2 pipeline stages x fsdp 2 under 1f1b (4 micro batches, whose loop keeps
     the max of their amaxes) record the same global amaxes (a max, not a sum) and train the same."""
     from helpers import synthetic_batch
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     def run(cfg, devices, steps=3):
         trainer = Trainer(cfg, devices)
@@ -247,7 +247,7 @@ def test_delayed_scaling_resumes_exactly_and_on_another_mesh(tmp_path):
     the same layout continues with bit-identical losses and histories, fsdp 8 with equal ones."""
     from helpers import synthetic_batch
     from jaxtron.checkpoint import Checkpointer
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     def steps(trainer, cfg, seeds):
         return [float(trainer.step(put_batch(synthetic_batch(cfg, s), trainer.batch_sharding))["loss"])
@@ -292,7 +292,7 @@ def test_weights_only_load_into_delayed_starts_empty_histories(tmp_path):
     """Fine-tuning a bf16/fp32-trained checkpoint with model.fp8=delayed: the weights load, the histories
     (which that checkpoint does not have) start empty, and training runs."""
     from jaxtron.checkpoint import Checkpointer
-    from jaxtron.train.loop import Trainer
+    from jaxtron.train.trainer import Trainer
 
     small = ("data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1",
              "train.steps=2", "train.eval_every=0", "parallel.data=1")

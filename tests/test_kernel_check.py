@@ -1,4 +1,4 @@
-"""The trainer's start-up check of selected Pallas kernels against XLA (jaxtron/train/kernel_check.py).
+"""The trainer's start-up check of selected Pallas kernels against XLA (jaxtron/model/kernel_check.py).
 
 On CPU the kernels run interpreted, so the passing case is the real check on real kernels; the failing cases
 swap a broken implementation in for 'pallas' attention."""
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from jaxtron.model import attention as attention_lib
-from jaxtron.train import kernel_check
+from jaxtron.model import kernel_check
 from jaxtron.train.__main__ import main
-from jaxtron.train.kernel_check import KernelCheckError, check_kernels, needs_check
+from jaxtron.model.kernel_check import KernelCheckError, check_kernels, needs_check
 from tests.helpers import tiny_config
 
 ALL_PALLAS = ("model.attention_impl=pallas", "model.rope_impl=pallas", "model.mlp_impl=pallas")

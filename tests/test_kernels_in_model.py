@@ -9,7 +9,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import synthetic_batch, tiny_config
 from jaxtron.model.attention import attention
-from jaxtron.train.loop import Trainer, put_batch
+from jaxtron.train.trainer import Trainer, put_batch
 
 MODEL = ("model.hidden_size=128", "model.num_heads=8", "model.num_kv_heads=4", "data.reset_at_eod=false")
 PALLAS = ("model.attention_impl=pallas", "model.rope_impl=pallas", "model.mlp_impl=pallas")

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import NONZERO_LR, assert_same_training, tiny_config, training_record
-from jaxtron.train.loop import Trainer
+from jaxtron.train.trainer import Trainer
 
 
 def config(*overrides):

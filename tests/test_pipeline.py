@@ -16,7 +16,7 @@ import pytest
 from helpers import (NONZERO_LR, assert_same_training, cpu_xla_flags, synthetic_batch, tiny_config,
                      training_record)
 from jaxtron.config import ConfigError
-from jaxtron.train.loop import Trainer, put_batch
+from jaxtron.train.trainer import Trainer, put_batch
 
 STEPS = 3
 BATCH = 16

@@ -33,7 +33,7 @@ from jaxtron.convert import hf  # noqa: E402
 from jaxtron.generate import generate  # noqa: E402
 from jaxtron.model.llama import Llama  # noqa: E402
 from jaxtron.plan.model import param_count  # noqa: E402
-from jaxtron.train.loop import Trainer, put_batch  # noqa: E402
+from jaxtron.train.trainer import Trainer, put_batch  # noqa: E402
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 131, 64, 96, 2, 4, 2, 24
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8], [7, 1, 99]]  # different lengths: left padding in the KV cache

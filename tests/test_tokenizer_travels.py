@@ -62,7 +62,7 @@ def _cfg(*overrides: str) -> config_lib.Config:
 @pytest.fixture(scope="module")
 def trained(bpe, tmp_path_factory):
     """A checkpoint directory of one step on the BPE data (data.seq_len=16)."""
-    from jaxtron.train.loop import Trainer  # not run(): its log handler would hide records from caplog elsewhere
+    from jaxtron.train.trainer import Trainer  # not run(): its log handler would hide records from caplog elsewhere
 
     path, prefix = bpe
     out = str(tmp_path_factory.mktemp("run"))
@@ -158,7 +158,7 @@ def test_evaluate_uses_checkpoint_seq_len_and_shows_progress(trained, tmp_path, 
 
 def test_finetune_with_other_tokenizer_is_an_error(bpe, trained, tmp_path):
     """Loading the BPE-trained weights for a run on the byte-level built-in corpus stops, naming the field."""
-    from jaxtron.train.loop import Trainer
+    from jaxtron.train.trainer import Trainer
 
     with pytest.raises(ConfigError) as info:
         Trainer(_cfg(f"checkpoint.load_weights={trained}", f"train.output_dir={tmp_path}",

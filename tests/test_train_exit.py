@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from jaxtron.train.loop import Trainer
+from jaxtron.train.trainer import Trainer
 
 STEPS = 6
 

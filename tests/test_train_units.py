@@ -3,7 +3,6 @@
 import json
 import logging
 import time
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -155,7 +154,7 @@ def test_exit_after_fields_are_validated():
 
 
 def test_a_resume_that_changes_train_steps_warns(caplog, monkeypatch):
-    from jaxtron.train.training import TrainerLoop
+    from jaxtron.train.loop import warn_changed_steps
 
     cfg = config_lib.load(None, ["train.steps=50"])
     before = config_lib.to_yaml(config_lib.load(None, ["train.steps=30"]))
@@ -163,8 +162,8 @@ def test_a_resume_that_changes_train_steps_warns(caplog, monkeypatch):
     monkeypatch.setattr(logger, "propagate", False)  # as after setup_logging: caplog's handler on it alone
     logger.addHandler(caplog.handler)
     try:
-        TrainerLoop._warn_changed_steps(SimpleNamespace(cfg=cfg, meta={"config": before}), 20)
-        TrainerLoop._warn_changed_steps(SimpleNamespace(cfg=cfg, meta={"config": config_lib.to_yaml(cfg)}), 20)
+        warn_changed_steps(cfg, {"config": before}, 20)
+        warn_changed_steps(cfg, {"config": config_lib.to_yaml(cfg)}, 20)
     finally:
         logger.removeHandler(caplog.handler)
     warnings = [r.getMessage() for r in caplog.records if "train.steps changed" in r.getMessage()]
@@ -172,11 +171,11 @@ def test_a_resume_that_changes_train_steps_warns(caplog, monkeypatch):
 
 
 def test_exit_after_steps_and_minutes():
-    from jaxtron.train.training import TrainerLoop
+    from jaxtron.train.loop import exit_due
 
     def due(done, start, began, **train):
         cfg = config_lib.load(None, ["train.steps=10", *(f"train.{k}={v}" for k, v in train.items())])
-        return TrainerLoop._exit_due(SimpleNamespace(cfg=cfg), done, start, began)
+        return exit_due(cfg, done, start, began)
 
     now = time.monotonic()
     assert due(5, 2, now) is None and due(5, 2, now, exit_after_steps=0) is None

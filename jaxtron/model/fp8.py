@@ -13,9 +13,9 @@ backward keeps the FP8 copies of x and w as its residuals (half of bf16's bytes)
 :class:`AmaxHistory` [H, 3] (input, weight, output gradient; newest first); a history with no amax yet (the
 first step) gives scale 1, as Transformer Engine starts. The quantization then does not wait for this step's
 amax, which is still recorded: the projection's backward returns it as the cotangent of the history, and the
-train step rolls it in (:func:`roll_histories`) instead of handing it to the optimizer. The amaxes are global
+train step rolls it in (:meth:`Histories.roll`) instead of handing it to the optimizer. The amaxes are global
 (a sharded tensor's max is reduced over its shards), and over gradient-accumulation micro batches the max is
-kept (:func:`accumulate`).
+kept (:meth:`Histories.accumulate`).
 
 The routed MoE experts (:func:`grouped`, under ``gmm_impl=ragged_dot``) take current scaling under either
 recipe. The embedding, LM head, norms, attention's score/value products and the router stay in the compute
@@ -24,6 +24,7 @@ dtype (what Megatron and NeMo's FP8 recipes keep out of FP8 too).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.model.fp8_blockwise import LETTER_NAMES, Blockwise, blockwise_project
-from jaxtron.model.projection import project
+from jaxtron.model.projection import parse_spec, project
+from jaxtron.parallel.sharding import devices_are_cpu
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -43,36 +45,58 @@ HISTORY_SUFFIX = "_amax"  # a projection's AmaxHistory is the attribute f"{weigh
 class AmaxHistory(nnx.Variable):
     """Delayed scaling's state of one projection: [H, 3] amaxes of (input, weight, output gradient) over the
     last H steps, newest first. Model state (checkpointed and resharded with the params); no gradient moves it:
-    the train step rolls in each step's amaxes (:func:`roll_histories`)."""
+    the train step rolls in each step's amaxes (:meth:`Histories.roll`)."""
 
 
-def history(length: int) -> AmaxHistory:
-    return AmaxHistory(jnp.zeros((length, 3), jnp.float32), out_sharding=(None, None))
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How a module's dense projections multiply (``model.fp8`` and its knobs, read once from the model config):
+    the module owns its weights and, under ``delayed``, an :class:`AmaxHistory` beside each; :meth:`project` is
+    every dense projection of the decoder."""
 
+    name: str = "none"              # 'none' | 'current' | 'delayed' | 'blockwise'
+    margin: int = 0                 # delayed: scales are amax * 2^margin / format max
+    history: int = 16               # delayed: steps of amax history
+    block: int = 128                # blockwise: the tile
+    blockwise_impl: str = "auto"    # blockwise: 'pallas' | 'xla' | 'auto'
 
-def add_histories(module, names, recipe: str, length: int) -> None:
-    """Under ``delayed``, an :class:`AmaxHistory` beside each of ``module``'s weights ``names``."""
-    for name in names if recipe == "delayed" else ():
-        setattr(module, name + HISTORY_SUFFIX, history(length))
+    @classmethod
+    def of(cls, cfg) -> "Recipe":
+        """The recipe of a model config (``model.fp8``, ``fp8_margin``, ``fp8_amax_history``, ``fp8_block``,
+        ``fp8_blockwise_impl``)."""
+        return cls(cfg.fp8, cfg.fp8_margin, cfg.fp8_amax_history, cfg.fp8_block, cfg.fp8_blockwise_impl)
 
+    def add_histories(self, module, names) -> None:
+        """Under ``delayed``, an :class:`AmaxHistory` beside each of ``module``'s weights ``names``."""
+        for name in names if self.name == "delayed" else ():
+            setattr(module, name + HISTORY_SUFFIX,
+                    AmaxHistory(jnp.zeros((self.history, 3), jnp.float32), out_sharding=(None, None)))
 
-def blockwise_options(cfg, **names) -> Blockwise:
-    """``model.fp8=blockwise``'s options from the model config: the block, the GEMM ('auto': the Pallas kernel
-    on GPUs, XLA's ops elsewhere) and the logical names of the einsum letters (``names`` overrides, e.g.
-    ``h="act_kv_heads"``)."""
-    impl = cfg.fp8_blockwise_impl
-    if impl == "auto":
-        from jaxtron.parallel.sharding import devices_are_cpu
+    def blockwise(self, **names) -> Blockwise:
+        """``blockwise``'s options: the block, the GEMM ('auto': the Pallas kernel on GPUs, XLA's ops on CPUs,
+        where the kernel would only be interpreted) and the logical names of the einsum letters (``names``
+        overrides, e.g. ``h="act_kv_heads"``)."""
+        impl = self.blockwise_impl
+        if impl == "auto":
+            impl = "xla" if devices_are_cpu() else "pallas"
+        return Blockwise(self.block, impl, tuple({**LETTER_NAMES, **names}.items()))
 
-        impl = "xla" if devices_are_cpu() else "pallas"
-    return Blockwise(cfg.fp8_block, impl, tuple({**LETTER_NAMES, **names}.items()))
+    def project(self, module, name: str, spec: str, x: jax.Array, **names) -> jax.Array:
+        """``einsum(spec, x, module.<name>)`` (the weight cast to x's dtype) under this recipe, with the
+        weight's amax history under ``delayed``; ``names``: blockwise's letter names (:meth:`blockwise`)."""
+        w = getattr(module, name)[...].astype(x.dtype)
+        hist = getattr(module, name + HISTORY_SUFFIX, None)
+        return dense(spec, x, w, self.name, hist, self.margin,
+                     self.blockwise(**names) if self.name == "blockwise" else None)
 
-
-def project_weight(module, name: str, spec: str, x: jax.Array, recipe: str, margin: int = 0,
-                   blockwise: Blockwise | None = None) -> jax.Array:
-    """``einsum(spec, x, module.<name>)`` (the weight cast to x's dtype) under ``recipe``."""
-    w = getattr(module, name)[...].astype(x.dtype)
-    return dense(spec, x, w, recipe, getattr(module, name + HISTORY_SUFFIX, None), margin, blockwise)
+    def describe(self) -> str:
+        """The recipe in words, for the start-up log."""
+        if self.name == "none":
+            return "none"
+        detail = {"current": "tensorwise current scaling",
+                  "delayed": f"tensorwise delayed scaling, {self.history}-step amax history, margin {self.margin}",
+                  "blockwise": f"blockwise scaling, {self.block}-wide tiles"}[self.name]
+        return f"{self.name} ({detail})"
 
 
 def dense(spec: str, x: jax.Array, w: jax.Array, recipe: str = "none", hist=None, margin: int = 0,
@@ -113,12 +137,6 @@ def dequantize(q, scale, dtype) -> jax.Array:
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def _parse(spec: str) -> tuple[str, str, str]:
-    ins, out = spec.replace(" ", "").split("->")
-    a, b = ins.split(",")
-    return a, b, out
-
-
 def _dot(spec, a, b, scale, out_dtype):
     """An FP8 x FP8 einsum with a 16-bit/fp32 result, times the product of the operands' scales."""
     acc = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
@@ -142,7 +160,7 @@ def _fwd(spec, x, w):
 
 def _bwd(spec, res, g):
     x8, w8, sx, sw, x_kind, w_kind = res
-    xs, ws, ys = _parse(spec)
+    xs, ws, ys = parse_spec(spec)
     sg = scale_of(g, E5M2)
     g8 = quantize(g, E5M2, sg)
     dx = _dot(f"{ys},{ws}->{xs}", g8, w8, sg * sw, x_kind.dtype)
@@ -176,7 +194,7 @@ def _delayed_fwd(spec, x, w, hist, margin):
 
 def _delayed_bwd(spec, margin, res, g):
     x8, w8, scales, ax, aw, zeros, (x_kind, w_kind) = res
-    xs, ws, ys = _parse(spec)
+    xs, ws, ys = parse_spec(spec)
     g8 = quantize(g, E5M2, scales[2])
     dx = _dot(f"{ys},{ws}->{xs}", g8, w8, scales[2] * scales[1], x_kind.dtype)
     dw = _dot(f"{xs},{ys}->{ws}", x8, g8, scales[0] * scales[2], w_kind.dtype)
@@ -186,52 +204,63 @@ def _delayed_bwd(spec, margin, res, g):
 delayed_project.defvjp(_delayed_fwd, _delayed_bwd)
 
 
-def _is_history(path) -> bool:
-    key = getattr(path[-1], "key", None)
-    return isinstance(key, str) and key.endswith(HISTORY_SUFFIX)
+class Histories:
+    """The amax histories of a model's state, found once by their variable type (:class:`AmaxHistory`) in the
+    abstract model: what the train step treats apart from the weights. ``mask`` is a tree shaped as the params
+    (a nested dict), True at a history. The methods take and return params-shaped trees."""
 
+    def __init__(self, mask):
+        self.mask = mask
+        self.any = any(jax.tree.leaves(mask))
 
-def accumulate(acc, grads):
-    """Gradient accumulation over micro batches: sums, but the max for the amax histories' rows."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a, g: jnp.maximum(a, g) if _is_history(path) else a + g, acc, grads)
+    @classmethod
+    def of(cls, abstract_vars: nnx.State) -> "Histories":
+        """Of a model's (abstract) variables, ``nnx.split(model)[1]``."""
+        mask = jax.tree.map(lambda v: isinstance(v, AmaxHistory), abstract_vars,
+                            is_leaf=lambda v: isinstance(v, nnx.Variable))
+        return cls(mask.to_pure_dict())
 
+    def accumulate(self, acc, grads):
+        """Gradient accumulation over micro batches: sums, but the max for the histories' rows."""
+        if not self.any:
+            return jax.tree.map(jnp.add, acc, grads)
+        return jax.tree.map(lambda h, a, g: jnp.maximum(a, g) if h else a + g, self.mask, acc, grads)
 
-def without_histories(grads):
-    """``grads`` with the amax histories' cotangents zeroed: what the optimizer and the gradient norm see."""
-    return jax.tree_util.tree_map_with_path(lambda path, g: jnp.zeros_like(g) if _is_history(path) else g, grads)
+    def without(self, grads):
+        """``grads`` with the histories' cotangents zeroed: what the optimizer and the gradient norm see."""
+        if not self.any:
+            return grads
+        return jax.tree.map(lambda h, g: jnp.zeros_like(g) if h else g, self.mask, grads)
 
+    def roll(self, new_params, old_params, grads):
+        """Each history of ``old_params`` shifted by one step with the step's amaxes (row 0 of its cotangent in
+        the raw ``grads``) in front; every other leaf of ``new_params`` as it is."""
+        def roll(h, new, old, g):
+            return jnp.concatenate([g[..., :1, :], old[..., :-1, :]], axis=-2).astype(old.dtype) if h else new
 
-def roll_histories(new_params, old_params, grads):
-    """Each amax history of ``old_params`` shifted by one step with the step's amaxes (row 0 of its cotangent in
-    the raw ``grads``) in front; every other leaf of ``new_params`` as it is."""
-    def roll(path, new, old, g):
-        if not _is_history(path):
-            return new
-        return jnp.concatenate([g[..., :1, :], old[..., :-1, :]], axis=-2).astype(old.dtype)
+        return jax.tree.map(roll, self.mask, new_params, old_params, grads) if self.any else new_params
 
-    return jax.tree_util.tree_map_with_path(roll, new_params, old_params, grads)
+    def weights_only(self, tree):
+        """A params-shaped tree without its histories (what a weights-only load reads)."""
+        def strip(mask, tree):
+            if not isinstance(mask, dict):
+                return tree
+            return {k: strip(mask[k], v) for k, v in tree.items() if mask[k] is not True}
 
+        return strip(self.mask, tree)
 
-def weights_only(tree):
-    """A nested params dict without its amax histories (what a weights-only load reads)."""
-    if not isinstance(tree, dict):
-        return tree
-    return {k: weights_only(v) for k, v in tree.items() if not (isinstance(k, str) and k.endswith(HISTORY_SUFFIX))}
+    def with_fresh(self, params, abstract):
+        """``params`` (from :meth:`weights_only`) completed with empty histories where ``abstract`` (leaves with
+        shape, dtype and sharding) has them: a fine-tune starts delayed scaling afresh, as its optimizer does."""
+        def fill(mask, params, abstract):
+            if mask is True:
+                return jax.device_put(jnp.zeros(abstract.shape, abstract.dtype), abstract.sharding)
+            if not isinstance(mask, dict):
+                return params
+            return {k: fill(mask[k], params.get(k) if isinstance(params, dict) else None, v)
+                    for k, v in abstract.items()}
 
-
-def with_fresh_histories(params, abstract):
-    """``params`` (from :func:`weights_only`) completed with empty histories where ``abstract`` (leaves with
-    shape, dtype and sharding) has them: a fine-tune starts delayed scaling afresh, as its optimizer does."""
-    if not isinstance(abstract, dict):
-        return params
-    out = {}
-    for k, v in abstract.items():
-        if isinstance(k, str) and k.endswith(HISTORY_SUFFIX):
-            out[k] = jax.device_put(jnp.zeros(v.shape, v.dtype), v.sharding)
-        else:
-            out[k] = with_fresh_histories(params[k], v)
-    return out
+        return fill(self.mask, params, abstract)
 
 
 @jax.custom_vjp

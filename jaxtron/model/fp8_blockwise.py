@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.model import kernels
+from jaxtron.model.projection import parse_spec
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(E4M3).max)
@@ -93,8 +94,7 @@ def _wgrad_local(sum_over, xq, sx, g2, *, opts: Blockwise, out_dtype):
 
 
 def _letters(spec: str):
-    ins, out = spec.replace(" ", "").split("->")
-    xs, ws = ins.split(",")
+    xs, ws, out = parse_spec(spec)
     m = "".join(c for c in xs if c not in ws)
     k = "".join(c for c in xs if c in ws)
     n = "".join(c for c in ws if c not in xs)

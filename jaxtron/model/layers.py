@@ -92,7 +92,8 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), std, pd)
         self.wv = param(rngs, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), std, pd)
         self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), out_std, pd)
-        fp8.add_histories(self, ("wq", "wk", "wv", "wo"), cfg.fp8, cfg.fp8_amax_history)
+        self.recipe = fp8.Recipe.of(cfg)
+        self.recipe.add_histories(self, ("wq", "wk", "wv", "wo"))
         if cfg.qkv_bias:
             self.bq = param(rngs, (h, hd), ("heads", "head_dim"), 0.0, pd)
             self.bk = param(rngs, (kvh, hd), ("kv_heads", "head_dim"), 0.0, pd)
@@ -105,9 +106,9 @@ class Attention(nnx.Module):
         """[batch, seq, hidden] -> [batch, seq, hidden]; with ``cache`` (decoding), this chunk's k/v are written
         into the cache at ``cache.index`` and the queries attend over the whole cache: returns (out, (k, v))."""
         dt = x.dtype
-        q = self._dense("wq", "bsd,dhk->bshk", x)
-        k = self._dense("wk", "bsd,dhk->bshk", x)
-        v = self._dense("wv", "bsd,dhk->bshk", x)
+        q = self.recipe.project(self, "wq", "bsd,dhk->bshk", x)
+        k = self.recipe.project(self, "wk", "bsd,dhk->bshk", x, h="act_kv_heads")
+        v = self.recipe.project(self, "wv", "bsd,dhk->bshk", x, h="act_kv_heads")
         if self.cfg.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
@@ -137,13 +138,7 @@ class Attention(nnx.Module):
             out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
                             deterministic=self.cfg.deterministic_attention)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        return self._dense("wo", "bshk,hkd->bsd", out)
-
-    def _dense(self, name, spec, x):
-        blockwise = None
-        if self.cfg.fp8 == "blockwise":
-            blockwise = fp8.blockwise_options(self.cfg, **({"h": "act_kv_heads"} if name in ("wk", "wv") else {}))
-        return fp8.project_weight(self, name, spec, x, self.cfg.fp8, self.cfg.fp8_margin, blockwise)
+        return self.recipe.project(self, "wo", "bshk,hkd->bsd", out)
 
     def _attend_cache(self, q, k, v, cache: LayerCache):
         dt = q.dtype
@@ -152,7 +147,7 @@ class Attention(nnx.Module):
         k_cache, v_cache = write(cache.k, k), write(cache.v, v)
         out = cached_attention(q, k_cache.astype(dt), v_cache.astype(dt), cache.mask, q.shape[-1] ** -0.5)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        return self._dense("wo", "bshk,hkd->bsd", out), (k_cache, v_cache)
+        return self.recipe.project(self, "wo", "bshk,hkd->bsd", out), (k_cache, v_cache)
 
 
 class SwiGLU(nnx.Module):
@@ -164,17 +159,12 @@ class SwiGLU(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
         self.mlp_impl = cfg.mlp_impl
-        self.fp8_cfg = cfg
-        fp8.add_histories(self, ("w_gate", "w_up", "w_down"), cfg.fp8, cfg.fp8_amax_history)
-
-    def _dense(self, name, spec, x):
-        c = self.fp8_cfg
-        blockwise = fp8.blockwise_options(c) if c.fp8 == "blockwise" else None
-        return fp8.project_weight(self, name, spec, x, c.fp8, c.fp8_margin, blockwise)
+        self.recipe = fp8.Recipe.of(cfg)
+        self.recipe.add_histories(self, ("w_gate", "w_up", "w_down"))
 
     def __call__(self, x):
-        gate = self._dense("w_gate", "bsd,df->bsf", x)
-        up = self._dense("w_up", "bsd,df->bsf", x)
+        gate = self.recipe.project(self, "w_gate", "bsd,df->bsf", x)
+        up = self.recipe.project(self, "w_up", "bsd,df->bsf", x)
         h = kernels.swiglu(gate, up) if self.mlp_impl == "pallas" else jax.nn.silu(gate) * up
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
-        return self._dense("w_down", "bsf,fd->bsd", h)
+        return self.recipe.project(self, "w_down", "bsf,fd->bsd", h)

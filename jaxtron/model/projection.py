@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jaxtron.parallel.sharding import devices_are_cpu
 
 
-def _parse(spec: str) -> tuple[str, str, str]:
+def parse_spec(spec: str) -> tuple[str, str, str]:
+    """``"bsd,df->bsf"`` -> ("bsd", "df", "bsf"): the two operands' axes and the result's."""
     ins, out = spec.replace(" ", "").split("->")
     a, b = ins.split(",")
     return a, b, out
@@ -72,7 +73,7 @@ def _rounding_matmul(grads):
 
 
 def _project_grads(spec, x, w, dy):
-    xs, ws, ys = _parse(spec)
+    xs, ws, ys = parse_spec(spec)
     dx = _einsum_f32(f"{ys},{ws}->{xs}", dy, w, x.dtype)
     # Axes of x that the weight lacks (batch, sequence) go last: the contraction runs over x's minor axes.
     xt_spec = "".join(a for a in xs if a in ws) + "".join(a for a in xs if a not in ws)
@@ -84,7 +85,7 @@ def _project_grads(spec, x, w, dy):
 
 
 def _contract_grads(spec, a, b, dy):
-    as_, bs, ys = _parse(spec)
+    as_, bs, ys = parse_spec(spec)
     return _einsum_f32(f"{ys},{bs}->{as_}", dy, b, a.dtype), _einsum_f32(f"{as_},{ys}->{bs}", a, dy, b.dtype)
 
 

@@ -47,10 +47,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxtron.parallel.axes import CONTEXT, FSDP, STAGE
 from jaxtron.parallel.sharding import use_rules
 
-AXIS = "stage"
-FSDP_AXIS = "fsdp"
+AXIS = STAGE  # the axis the pipelined region is manual over
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def _chunked(stacked: Any, stacked_specs: Any, spec: PipelineSpec, mesh: Mesh) -
     ``spec.gather_fsdp`` the ``fsdp`` axis is dropped from the weights' sharding here, once per step (an
     all-gather; the gradients are reduce-scattered once in return), instead of in every tick of the loop."""
     s, v = spec.stages, spec.chunks_per_device
-    gathered = (FSDP_AXIS, "context") if spec.gather_fsdp else ()  # ZeRO-3 spans both (rules.py)
+    gathered = (FSDP, CONTEXT) if spec.gather_fsdp else ()  # ZeRO-3 spans both (rules.py)
 
     def drop(entry):
         if entry is None or isinstance(entry, str):
@@ -368,12 +368,13 @@ def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
 # ----------------------------------------------------------------------------------------------- public
 
 
-def _add(acc: Any, grads: Any) -> Any:
+def add_grads(acc: Any, grads: Any) -> Any:
+    """The default ``accumulate`` of :func:`value_and_grad`: a sum."""
     return jax.tree.map(jnp.add, acc, grads)
 
 
 def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
-                   stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable = _add):
+                   stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable = add_grads):
     """``((aux_sums, report), (grads_stacked, grads_shared))`` of the summed loss over ``micro`` ([M, mb, seq]
     arrays).
 
@@ -381,9 +382,9 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
     that of the sum over micro batches of ``loss`` and the stages' terms, in fp32; ``report`` is the stages'
     reports summed over micro batches, in layer order.
     ``stacked_specs`` are the PartitionSpecs of the stacked leaves (leading axis over 'stage').
-    ``accumulate(acc, grads)`` adds a micro batch's gradients under 1f1b, whose loop accumulates them itself
-    (FP8 delayed scaling keeps the max of its amax rows instead of the sum); the other schedules differentiate
-    their loop, which sums."""
+    ``accumulate(acc, grads)`` adds a micro batch's gradients (``(stacked, shared)`` pairs) into the running
+    total under 1f1b, whose loop accumulates them itself: a caller whose parameters hold state that combines
+    otherwise than by a sum passes its own; the other schedules differentiate their loop, which sums."""
     if spec.schedule == "1f1b":
         return _one_f_one_b(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro, accumulate)
 

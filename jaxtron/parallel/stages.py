@@ -14,7 +14,7 @@ objective in the stage that runs them, and their stats, added to the aux sums).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -84,16 +84,20 @@ def _stacked_specs(param_shardings: dict):
 
 
 def pipelined_value_and_grad(layout, graphdef, terms: StageTerms, param_shardings: dict, loss_sums: Callable,
-                             segments: Callable, params: dict, batch: dict, accumulate: Callable = pipeline._add):
+                             segments: Callable, params: dict, batch: dict, accumulate: Optional[Callable] = None):
     """((loss sum, tokens, aux), fp32 grads) of the whole batch through the pipeline schedule, its micro batches
-    as in gradient accumulation (``accumulate``: see ``pipeline.value_and_grad``)."""
+    as in gradient accumulation (``accumulate(acc, grads)`` on params-shaped trees: see
+    ``pipeline.value_and_grad``; default a sum)."""
     pre, stage, post = _parts(graphdef, terms, params, loss_sums, segments)
     stacked, shared = _split_stacked(params)
     spec = layout.pipeline()
     micro = split_micro(batch, spec.micro_batches)
+    joined = lambda pair: {**pair[1], STACKED: pair[0]}
+    combine = pipeline.add_grads if accumulate is None else \
+        (lambda acc, g: _split_stacked(accumulate(joined(acc), joined(g))))
     (sums, report), (g_stacked, g_shared) = pipeline.value_and_grad(
         spec, layout.mesh, layout.rules, pre, stage, post, stacked, _stacked_specs(param_shardings), shared, micro,
-        accumulate)
+        combine)
     return _with_report(terms, sums, report), {**g_shared, STACKED: g_stacked}
 
 

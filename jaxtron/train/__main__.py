@@ -38,13 +38,13 @@ def main(argv=None) -> int:
         preflight.check(cfg)  # the model's and the mesh's checks on the configured sizes, before any device
         from jaxtron.parallel.distributed import initialize
         initialize(cfg)  # before anything touches the devices
-        from jaxtron.train.loop import run  # imports jax: after the config is known to be good
+        from jaxtron.train.trainer import run  # imports jax: after the config is known to be good
         import jax
     except config_lib.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from jaxtron.checkpoint import CheckpointError
-    from jaxtron.train.loop import TrainingAborted
+    from jaxtron.train.callbacks import TrainingAborted
     from jaxtron.parallel.distributed import report_failure
 
     def fail(err, status: int) -> int:

@@ -1,13 +1,10 @@
 """What a training run reports and how it is extended: :class:`TrainResult`, :class:`TrainingAborted` and the
-:class:`Callback` hooks of :class:`~jaxtron.train.loop.Trainer`."""
+:class:`Callback` hooks of :class:`~jaxtron.train.trainer.Trainer`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
-
-if TYPE_CHECKING:
-    from jaxtron.train.loop import Trainer
+from typing import Callable, Optional
 
 
 @dataclass

@@ -1,302 +1,199 @@
-"""The training run: config -> mesh -> sharded state -> jitted step -> metrics, evaluation.
-
-:class:`Trainer` (``jaxtron.Trainer``) holds the pieces and runs them: :meth:`Trainer.step` is one optimizer
-step, :meth:`Trainer.train` the whole loop (data, evaluation, metrics, checkpoints, signals) built on it.
-A custom loss (``loss_fn``) and :class:`Callback` objects extend it without copying the loop.
-
-Here: the trainer's state, data, step, gradients and evaluation, and :func:`run` (``python -m jaxtron.train``).
-Beside it: ``training.py`` (the loop of :meth:`Trainer.train`), ``checkpoints.py`` (save, restore, resume) and
-``callbacks.py`` (:class:`Callback`, :class:`TrainResult`, :class:`TrainingAborted`)."""
+"""The training loop (:func:`train_loop`, what :meth:`Trainer.train <jaxtron.train.trainer.Trainer.train>` runs):
+resume, compile, step, log metrics (throughput, MFU), evaluate, checkpoint, and stop cleanly on signals,
+``request_stop`` or too many skipped steps. It drives the trainer through its public methods."""
 
 from __future__ import annotations
 
-import inspect
 import logging
-import os
-import sys
-from typing import Callable, Iterable, Mapping, Optional
+import time
+from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
+import yaml
 
-from jaxtron import config as config_lib
 from jaxtron.config import Config
-from jaxtron.data.corpus import make_corpus
-from jaxtron.model import fp8
-from jaxtron.parallel.layout import Layout
-from jaxtron.train.callbacks import Callback, TrainingAborted, TrainResult  # noqa: F401  (re-exported)
-from jaxtron.train.callbacks import as_callback as _as_callback
-from jaxtron.train.checkpoints import TrainerCheckpoints
-from jaxtron.train.flops import device_peak_tflops
-from jaxtron.train.optimizer import make_optimizer
-from jaxtron.train.state import abstract_train_state
-from jaxtron.train.step import BATCH_KEYS, batch_sharding, make_eval_step, make_loss_and_grads, make_train_step
-from jaxtron.train.training import TrainerLoop
+from jaxtron.data.loader import batch_stream, put_local_batch
+from jaxtron.train.callbacks import TrainingAborted, TrainResult
+from jaxtron.train.flops import flops_per_token
+from jaxtron.train.metrics import MetricsWriter, device_memory, log_line
+from jaxtron.train.preemption import StopSignals
 
 log = logging.getLogger("jaxtron")
 
 
-def put_batch(batch: dict, sharding) -> dict:
-    """Host numpy batch (the global batch, identical on every process) -> global sharded arrays."""
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
+def _agree(flag: bool) -> bool:
+    """True on every process when any process has ``flag`` (so all stop at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
-class Trainer(TrainerLoop, TrainerCheckpoints):
-    """A training run built from a validated config: the mesh, the logical-axis rules, the optimizer, the
-    abstract (sharded) state, the jitted train and eval steps, and the loop.
+def train_loop(trainer) -> TrainResult:
+    """Run ``trainer`` (a :class:`~jaxtron.train.trainer.Trainer`) to ``train.steps`` in its checkpoint
+    directory: resume (or load weights), evaluate, step, log ``metrics.jsonl``/TensorBoard, checkpoint, stop
+    cleanly on SIGTERM/SIGINT or ``trainer.request_stop``."""
+    ckpt = trainer.checkpointing
+    ckpt.open()
+    try:
+        return _run(trainer, ckpt)
+    finally:
+        ckpt.close()  # waits for a save in flight
 
-        trainer = jaxtron.Trainer(cfg)
-        result = trainer.train()                     # the whole run, as `python -m jaxtron.train` does it
 
-        trainer = jaxtron.Trainer(cfg, loss_fn=my_loss, callbacks=[MyCallback()])
-        for k in range(10):                          # or drive it yourself, one optimizer step at a time
-            metrics = trainer.step(trainer.batch(k))
-        print(float(metrics["loss"]), trainer.evaluate())
+def _run(trainer, ckpt) -> TrainResult:
+    cfg = trainer.cfg
+    t = cfg.train
+    trainer.stop_requested = None
+    began = time.monotonic()  # train.exit_after_minutes counts from here
+    start = trainer.resume_or_init()
+    if start and jax.process_index() == 0:  # one copy
+        warn_changed_steps(cfg, trainer.meta, start)
+    result = TrainResult(steps=t.steps, start_step=start, final_step=start)
+    skipped = trainer.skipped
+    result.skipped_steps = skipped["skipped_total"]
+    if start >= t.steps:
+        log.info("the checkpoint is at step %d and train.steps=%d: nothing to do", start, t.steps)
+        result.state = trainer.state
+        return result
+    trainer.check_kernels()
+    data = trainer.data
+    fpt = {c: flops_per_token(cfg.model, cfg.data.seq_len, c) for c in ("full", "causal")}
 
-    ``devices``: the devices of the mesh (default: all); ``cfg.parallel`` sizes must multiply to their number.
+    stream = batch_stream(data, t.global_batch_size, start, t.steps)
+    first = put_local_batch(next(stream), trainer.batch_sharding, t.global_batch_size)
+    t0 = time.perf_counter()
+    trainer.train_step = trainer.program.train_step.lower(trainer.state, first).compile()
+    result.compile_seconds = time.perf_counter() - t0
+    log.info("compiled the train step in %.1f s on %d devices, mesh %s", result.compile_seconds,
+             trainer.num_devices, trainer.layout.describe())
+    save = lambda step: ckpt.save(step, trainer.state, trainer.skipped, trainer.meta)  # noqa: E731
 
-    ``loss_fn(model, batch) -> (loss_sum, aux)`` replaces the built-in loss (next-token cross entropy plus
-    ``optim.z_loss``) inside the jitted step, so it composes with gradient accumulation and every parallel
-    layout. ``model`` is the :class:`~jaxtron.model.Llama` (call it as
-    ``model(batch["inputs"], batch["positions"], batch["segment_ids"])`` for logits ``[batch, seq, vocab]``);
-    ``batch`` is one micro batch (the keys of :meth:`step`). Return the loss **summed** over the tokens, not
-    averaged: the step adds the sums of all micro batches and divides by the number of loss tokens of the
-    global batch (the sum of ``loss_mask``), so accumulation equals one big batch exactly. ``aux`` is ``None``
-    or a dict of scalar sums, treated the same way (summed, divided by the token count) and reported in the
-    metrics under their names. The reported ``loss`` is ``loss_sum / tokens`` (the built-in loss reports the
-    cross entropy without its z-loss term). Held-out evaluation always measures plain cross entropy.
-    :func:`jaxtron.train.loss.cross_entropy_sums` is the built-in's building block.
-
-    ``callbacks``: :class:`Callback` instances or functions ``fn(step, metrics, trainer)`` (called at log
-    points).
-
-    ``state`` (``{"step", "params", "opt_state"}``, sharded on the mesh) is created on first use, freshly
-    initialized; :meth:`train` first restores the newest checkpoint in ``checkpoint.dir`` (or loads
-    ``checkpoint.load_weights``) unless this trainer has already stepped."""
-
-    def __init__(self, cfg: Config, devices=None, *, loss_fn: Optional[Callable] = None,
-                 callbacks: Iterable = ()):
-        if not isinstance(cfg, Config):
-            raise TypeError(f"Trainer: cfg must be a jaxtron Config (see jaxtron.load_config), got "
-                            f"{type(cfg).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"Trainer: loss_fn must be a function loss_fn(model, batch) -> (loss_sum, aux), got "
-                            f"{type(loss_fn).__name__}")
-        self.cfg = cfg
-        devices = list(devices if devices is not None else jax.devices())
-        self.layout = Layout.build(cfg, devices)
-        self.mesh, self.rules = self.layout.mesh, self.layout.rules
-        self.tx, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
-        self.spec = abstract_train_state(cfg, self.tx, self.layout)
-        self.loss_fn = loss_fn
-        self.callbacks = [_as_callback(cb) for cb in callbacks]
-        self._state: Optional[dict] = None
-        self._step_count: Optional[int] = None  # host copy of state["step"] (None: read it from the state)
-        self._jitted_train_step = make_train_step(cfg, self.spec, self.tx, self.schedule, self.layout,
-                                                  loss_fn=loss_fn)
-        self.train_step = self._jitted_train_step  # train() replaces it with its ahead-of-time compiled form
-        self.eval_step = make_eval_step(cfg, self.spec, self.layout)
-        self.batch_sharding = batch_sharding(self.layout)
-        self.num_devices = len(devices)
-        peak = cfg.train.peak_tflops or device_peak_tflops(devices[0].device_kind)
-        self.peak_flops = peak * 1e12 if peak else None
-        self.meta: dict = {}  # what the checkpoint this run resumed from recorded (empty when fresh)
-        self.skipped = {"skipped_total": 0, "skipped_in_a_row": 0}
-        self._data = None
-        self._stop_reason: Optional[str] = None
-        self._kernels_checked = False
-        self._grad_fn = None
-
-    # ------------------------------------------------------------------------------------------ state
-    @property
-    def state(self) -> dict:
-        """The train state ``{"step", "params", "opt_state"}``, sharded on the mesh (created on first use)."""
-        if self._state is None:
-            self._state = jax.jit(self.spec.init_fn, out_shardings=self.spec.state_shardings)()
-            self._step_count = 0
-        return self._state
-
-    @state.setter
-    def state(self, value: dict) -> None:
-        self._state = value
-        self._step_count = None
-
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps the state has taken (``state["step"]``)."""
-        if self._step_count is None:
-            self._step_count = int(self.state["step"])
-        return self._step_count
-
-    @property
-    def model(self):
-        """The :class:`~jaxtron.model.Llama` with the current parameters (the state's own arrays, sharded on
-        the mesh, not a copy), e.g. for ``jaxtron.generate``. The train step donates the state's buffers, so
-        take it again after further steps."""
-        return nnx.merge(self.spec.graphdef, self.state["params"])
-
-    @property
-    def num_params(self) -> int:
-        return int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.spec.abstract_state["params"])))
-
-    # ------------------------------------------------------------------------------------------- data
-    @property
-    def data(self):
-        """The run's data (``data.source``: the built-in corpus or indexed datasets), built on first use.
-        Anything with ``train_batch(step, batch_size)`` and ``valid_batches(num, batch_size)`` may be set."""
-        if self._data is None:
-            self._data = make_corpus(self.cfg)
-        return self._data
-
-    @data.setter
-    def data(self, value) -> None:
-        self._data = value
-
-    def batch(self, step: int) -> dict:
-        """Global training batch ``step`` of :attr:`data` as host arrays (a pure function of the config and
-        ``step``: the batch ``train()`` feeds to optimizer step ``step + 1``)."""
-        return self.data.train_batch(int(step), self.cfg.train.global_batch_size)
-
-    def _device_batch(self, batch: Mapping) -> dict:
-        """A global batch on the mesh; missing positions/segment_ids/loss_mask get their defaults."""
-        if not isinstance(batch, Mapping):
-            raise TypeError(f"batch: must be a dict of arrays with keys {BATCH_KEYS}, got {type(batch).__name__}")
-        unknown = sorted(set(batch) - set(BATCH_KEYS))
-        if unknown:
-            raise ValueError(f"batch: unknown key(s) {unknown}; expected {BATCH_KEYS}")
-        shape = (self.cfg.train.global_batch_size, self.cfg.data.seq_len)
-        out = {}
-        for key in BATCH_KEYS:
-            value = batch.get(key)
-            if value is None:
-                if key in ("inputs", "targets"):
-                    raise ValueError(f"batch[{key!r}]: missing (token ids of shape {list(shape)})")
-                value = (np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape) if key == "positions"
-                         else np.ones(shape, np.float32 if key == "loss_mask" else np.int32))
-            if tuple(value.shape) != shape:
-                raise ValueError(f"batch[{key!r}]: shape {list(value.shape)}, expected [train.global_batch_size, "
-                                 f"data.seq_len] = {list(shape)}")
-            if isinstance(value, jax.Array):
-                if not value.sharding.is_equivalent_to(self.batch_sharding, value.ndim):
-                    value = jax.device_put(value, self.batch_sharding)
-                out[key] = value
+    writer = MetricsWriter(t.output_dir, t.steps, cfg.logging.tensorboard, cfg.logging.progress, start)
+    if writer.dropped:
+        log.info("metrics.jsonl: dropped %d row(s) after step %d that this run writes again", writer.dropped,
+                 start)
+    try:
+        for cb in trainer.callbacks:
+            cb.on_train_begin(start, trainer)
+        if start == 0:
+            result.initial_eval_loss = trainer.evaluate(data)
+            writer.write(0, {"eval_loss": result.initial_eval_loss})
+            log.info("step 0: held-out loss %.4f", result.initial_eval_loss)
+        window_start, window_steps = time.perf_counter(), 0
+        batch = first
+        with StopSignals() as signals:
+            for step in range(start, t.steps):
+                metrics = trainer.step(batch)
+                done = step + 1
+                if done < t.steps:  # prepare the next batch while the device works
+                    batch = put_local_batch(next(stream), trainer.batch_sharding, t.global_batch_size)
+                result.final_step = done
+                if bool(metrics["skipped"]):
+                    skipped["skipped_total"] += 1
+                    skipped["skipped_in_a_row"] += 1
+                    log.warning("step %d: loss %s, gradient norm %s: not finite, update skipped (%d in a row)",
+                                done, float(metrics["loss"]), float(metrics["grad_norm"]),
+                                skipped["skipped_in_a_row"])
+                else:
+                    skipped["skipped_in_a_row"] = 0
+                result.skipped_steps = skipped["skipped_total"]
+                window_steps += 1
+                writer.advance()
+                if done % cfg.logging.log_every == 0 or done == t.steps:
+                    step_time = (time.perf_counter() - window_start) / window_steps
+                    _log_step(trainer, done, jax.device_get(metrics), step_time, fpt, writer, result)
+                    window_start, window_steps = time.perf_counter(), 0
+                if skipped["skipped_in_a_row"] >= t.max_skipped_steps:
+                    save(done)
+                    raise TrainingAborted(
+                        f"stopped at step {done}: {skipped['skipped_in_a_row']} steps in a row had a non-finite "
+                        f"loss or gradient norm (train.max_skipped_steps={t.max_skipped_steps})"
+                        + ckpt.saved_note(done))
+                if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+                    loss = trainer.evaluate(data, step=done)
+                    result.eval_losses.append((done, loss))
+                    writer.write(done, {"eval_loss": loss})
+                    log.info("step %d: held-out loss %.4f", done, loss)
+                    for cb in trainer.callbacks:
+                        cb.on_eval(done, {"eval_loss": loss}, trainer)
+                    window_start, window_steps = time.perf_counter(), 0
+                stop = signals.received or trainer.stop_requested or exit_due(cfg, done, start, began)
+                if _agree(stop is not None):
+                    result.stopped_by = stop or "a stop on another process"
+                    save(done)
+                    log.warning("stopped by %s after step %d%s", result.stopped_by, done,
+                                f"; checkpoint {ckpt.step_dir(done)}" if ckpt.manager else "")
+                    break
+                if done < t.steps and cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0:
+                    save(done)
             else:
-                out[key] = np.asarray(value, np.float32 if key == "loss_mask" else np.int32)
-        host = {k: v for k, v in out.items() if not isinstance(v, jax.Array)}
-        return {**out, **put_batch(host, self.batch_sharding)} if host else out
-
-    # ------------------------------------------------------------------------------------------- step
-    def step(self, batch: Mapping) -> dict:
-        """One optimizer step on the global ``batch``; returns its metrics and calls the callbacks' ``on_step``.
-
-        ``batch``: a dict of ``[train.global_batch_size, data.seq_len]`` arrays: ``inputs`` and ``targets``
-        (token ids), optionally ``positions`` (default 0..seq_len-1), ``segment_ids`` (default all 1: one
-        document per row; attention follows them only with ``data.reset_at_eod=true``, as Megatron's
-        reset_attention_mask, else it is plain causal) and ``loss_mask`` (default all 1). Host (numpy) arrays are put on the mesh; global
-        ``jax.Array`` s pass through (a multi-process run needs those, or the same host batch on every process).
-
-        Metrics (device scalars; reading one waits for the step): ``loss`` (per loss token), ``grad_norm``,
-        ``lr``, ``tokens``, ``skipped`` (a non-finite loss or gradient norm skips the update), and the aux
-        entries of a custom loss."""
-        device_batch = self._device_batch(batch)
-        done = self.step_count + 1
-        self.state, metrics = self.train_step(self.state, device_batch)
-        self._step_count = done
-        for cb in self.callbacks:
-            cb.on_step(done, metrics, self)
-        return metrics
-
-    def gradients(self, batch: Mapping) -> tuple[dict, dict]:
-        """``(grads, metrics)`` of the global ``batch`` at the current parameters, without updating them: the
-        fp32 gradient of the loss per loss token (what the train step hands the optimizer, before clipping),
-        through the same accumulation or pipeline path, and ``loss``, ``grad_norm``, ``tokens``."""
-        if self._grad_fn is None:
-            loss_and_grads = make_loss_and_grads(self.cfg, self.spec, self.layout, self.loss_fn)
-
-            def grads(params, batch):
-                with self.layout.tracing():
-                    (ce, n, _), g = loss_and_grads(params, batch)
-                    n = jnp.maximum(n, 1.0)
-                    g = jax.tree.map(lambda x: x / n, fp8.without_histories(g))
-                    return g, {"loss": ce / n, "grad_norm": optax.global_norm(g), "tokens": n}
-
-            self._grad_fn = jax.jit(grads, in_shardings=(self.spec.param_shardings, self.batch_sharding))
-        return self._grad_fn(self.state["params"], self._device_batch(batch))
-
-    def request_stop(self, reason: str = "request_stop") -> None:
-        """Ask :meth:`train` to stop after the current step (it saves a checkpoint first); for callbacks."""
-        self._stop_reason = str(reason)
-
-    def log_summary(self) -> None:
-        """The start-up summary: model size, steps, batch, accumulation and the pipeline schedule's bubble."""
-        cfg, lay = self.cfg, self.layout
-        log.info("model: %.2fM params; %d steps of %d x %d tokens; %s; %s %d",
-                 self.num_params / 1e6, cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len,
-                 lay.describe(), "micro batches" if lay.stages > 1 else "grad accumulation", lay.accumulation_steps)
-        if lay.stages > 1:
-            p = cfg.parallel
-            virtual = f" x {p.virtual_stages} virtual" if p.pipeline_schedule == "circular" else ""
-            log.info("pipeline %s: %d stages%s, %d micro batches, bubble %.1f%% (MFU counts only model FLOPs)",
-                     p.pipeline_schedule, lay.stages, virtual, lay.accumulation_steps, 100 * lay.bubble)
-
-    # ------------------------------------------------------------------------------------ train / eval
-    def evaluate(self, data=None, step: int | None = None) -> float:
-        """Mean held-out cross entropy per token over ``train.eval_batches`` batches of ``data`` (default:
-        :attr:`data`). With ``step``, the evaluation after that step reads the validation batches Megatron's
-        would (each evaluation continues where the last one stopped; ``data.corpus.valid_start_batch``)."""
-        from jaxtron.data.corpus import valid_start_batch
-
-        data = data if data is not None else self.data
-        t = self.cfg.train
-        start = valid_start_batch(step, t.eval_every, t.eval_batches) if step else 0
-        # data sources of the two-argument protocol (no ``start``) read their first batches at every evaluation
-        kw = {"start": start} if start and "start" in inspect.signature(data.valid_batches).parameters else {}
-        total, count = 0.0, 0.0
-        for b in data.valid_batches(t.eval_batches, t.global_batch_size, **kw):
-            out = self.eval_step(self.state["params"], put_batch(b, self.batch_sharding))
-            total += float(out["loss_sum"])
-            count += float(out["tokens"])
-        return total / max(count, 1.0)
+                save(t.steps)
+    finally:
+        writer.close()
+    result.state = trainer.state
+    for cb in trainer.callbacks:
+        cb.on_train_end(result.final_step, result, trainer)
+    return result
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time (it may be replaced, e.g. by pytest's capture)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
-
-def setup_logging(level: str) -> None:
-    """jaxtron's log lines on stderr. A handler of its own: absl (imported by Orbax) claims the root logger."""
-    logger = logging.getLogger("jaxtron")
-    # one voice: processes other than 0 report only errors (the warnings are about state every process shares,
-    # so process 0 says them once); what only one process sees goes to "jaxtron.process", at warning level
-    logger.setLevel(getattr(logging, level.upper()) if jax.process_index() == 0 else logging.ERROR)
-    logging.getLogger("jaxtron.process").setLevel(logging.WARNING)
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
-        logger.addHandler(handler)
-    logger.propagate = False
+def _log_step(trainer, done: int, m: dict, step_time: float, fpt: dict, writer: MetricsWriter,
+              result: TrainResult) -> None:
+    """The metrics of log step ``done``: callbacks, ``metrics.jsonl``/TensorBoard and one log line."""
+    t = trainer.cfg.train
+    record = _throughput(trainer, m, step_time, t.global_batch_size * trainer.cfg.data.seq_len, fpt)
+    record["consumed_samples"] = done * t.global_batch_size
+    record["consumed_tokens"] = done * t.global_batch_size * trainer.cfg.data.seq_len
+    record.update(device_memory([d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]))
+    record["skipped_steps"] = trainer.skipped["skipped_total"]
+    for cb in trainer.callbacks:
+        cb.on_log(done, record, trainer)
+    result.losses.append((done, float(m["loss"])))
+    writer.write(done, record)
+    log.info("%s", log_line(done, t.steps, record))
 
 
-def run(cfg: Config) -> TrainResult:
-    """What ``python -m jaxtron.train`` does: log to stderr, write ``<output_dir>/config.yaml``, train."""
-    setup_logging(cfg.logging.level)
-    data = make_corpus(cfg)  # bad data paths fail here, in a second, before the model is built
-    trainer = Trainer(cfg)  # the Layout's checks first: a config that cannot run writes nothing
-    trainer.data = data
-    if jax.process_index() == 0:
-        os.makedirs(cfg.train.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.train.output_dir, "config.yaml"), "w") as f:
-            f.write(config_lib.to_yaml(cfg))
-    trainer.log_summary()
-    return trainer.train()
+def exit_due(cfg: Config, done: int, start: int, began: float) -> Optional[str]:
+    """Why the run stops after step ``done`` by ``train.exit_after_steps``/``exit_after_minutes`` (None: it
+    does not); ``start``: the step it started from, ``began``: its ``time.monotonic()`` then."""
+    t = cfg.train
+    if done >= t.steps:
+        return None
+    if t.exit_after_steps and done - start >= t.exit_after_steps:
+        return f"train.exit_after_steps={t.exit_after_steps}"
+    if t.exit_after_minutes and time.monotonic() - began >= 60.0 * t.exit_after_minutes:
+        return f"train.exit_after_minutes={t.exit_after_minutes:g}"
+    return None
+
+
+def warn_changed_steps(cfg: Config, meta: dict, start: int) -> None:
+    """A resume (at ``start``, from a checkpoint with ``meta``) with another ``train.steps`` than the
+    checkpoint's run changes the learning-rate schedule: say so."""
+    saved = meta.get("config")
+    if not saved:
+        return
+    try:
+        before = int(yaml.safe_load(saved)["train"]["steps"])
+    except (yaml.YAMLError, KeyError, TypeError, ValueError):
+        return
+    if before != cfg.train.steps:
+        log.warning("train.steps changed since the checkpoint (%d -> %d): the learning-rate schedule "
+                    "(optim.schedule=%s) now differs from the one steps 1-%d followed; to stop a run early "
+                    "without changing it use train.exit_after_steps or train.exit_after_minutes",
+                    before, cfg.train.steps, cfg.optim.schedule, start)
+
+
+def _throughput(trainer, m: dict, step_time: float, tokens_per_step: int, fpt: dict) -> dict:
+    tps = tokens_per_step / step_time
+    record = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+              "step_time_s": step_time, "tokens_per_s": tps, "tokens_per_s_per_device": tps / trainer.num_devices}
+    for conv, f in fpt.items():
+        per_dev = f * tps / trainer.num_devices
+        suffix = "" if conv == "full" else "_causal"
+        record[f"tflops_per_device{suffix}"] = per_dev / 1e12
+        record[f"mfu{suffix}"] = per_dev / trainer.peak_flops if trainer.peak_flops else None
+    for k in m:  # a custom loss's aux entries
+        if k not in ("loss", "grad_norm", "lr", "tokens", "skipped"):
+            record[k] = float(m[k])
+    return record

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtron.config import Config
 from jaxtron.model.llama import Llama
+from jaxtron.model.fp8 import Histories
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.sharding import param_shardings
 
@@ -27,6 +28,7 @@ class ModelSpec:
     state_shardings: dict
     abstract_state: dict
     init_fn: Callable[[], dict]  # creates the real state; jit it with out_shardings=state_shardings
+    histories: Histories         # the FP8 amax histories among the params (none unless model.fp8=delayed)
 
 
 def model_factory(cfg: Config):
@@ -34,17 +36,18 @@ def model_factory(cfg: Config):
 
 
 def _abstract_model(cfg: Config, layout: Layout):
-    """(graphdef, make, NamedShardings of the params) of the model ``cfg`` describes, on ``layout``'s mesh."""
+    """(graphdef, make, NamedShardings of the params, abstract variables) of the model ``cfg`` describes, on
+    ``layout``'s mesh."""
     make = model_factory(cfg)
     with layout.tracing():
         abstract_model = nnx.eval_shape(make)
     graphdef, abstract_vars = nnx.split(abstract_model)
-    return graphdef, make, param_shardings(abstract_vars, layout.mesh, layout.rules)
+    return graphdef, make, param_shardings(abstract_vars, layout.mesh, layout.rules), abstract_vars
 
 
 def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, layout: Layout) -> ModelSpec:
     """Shapes, dtypes and shardings of the train state; nothing is allocated."""
-    graphdef, make, p_sh = _abstract_model(cfg, layout)
+    graphdef, make, p_sh, abstract_vars = _abstract_model(cfg, layout)
     replicated = NamedSharding(layout.mesh, PartitionSpec())
 
     def init():
@@ -57,7 +60,7 @@ def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, layout: 
                                    transform_non_params=lambda _: replicated)
     shardings = {"step": replicated, "params": p_sh, "opt_state": opt_sh}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return ModelSpec(graphdef, p_sh, shardings, abstract, init)
+    return ModelSpec(graphdef, p_sh, shardings, abstract, init, Histories.of(abstract_vars))
 
 
 def create_model(cfg: Config, mesh: Optional[Mesh] = None, devices=None, layout: Optional[Layout] = None) -> Llama:
@@ -70,6 +73,6 @@ def create_model(cfg: Config, mesh: Optional[Mesh] = None, devices=None, layout:
         layout = Layout.build(cfg, devices if mesh is None else list(mesh.devices.flat))
         if mesh is not None:
             layout = dataclasses.replace(layout, mesh=mesh)
-    graphdef, make, shardings = _abstract_model(cfg, layout)
+    graphdef, make, shardings, _ = _abstract_model(cfg, layout)
     params = jax.jit(lambda: nnx.split(make())[1].to_pure_dict(), out_shardings=shardings)()
     return nnx.merge(graphdef, params)

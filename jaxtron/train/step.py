@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxtron.config import Config, ModelConfig
-from jaxtron.model import fp8, routing
+from jaxtron.model import routing
 from jaxtron.model.llama import layer_stacks
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.stages import (BATCH_AXES, STACKED, StageTerms, pipelined_loss, pipelined_value_and_grad,
@@ -121,7 +121,8 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
         if layout.stages > 1:
             return pipelined_value_and_grad(layout, spec.graphdef, stage_terms(cfg.model), spec.param_shardings,
                                             lambda logits, mb: _logits_sums(logits, mb, z_loss),
-                                            lambda mb: _segments(mb, packed), params, batch, fp8.accumulate)
+                                            lambda mb: _segments(mb, packed), params, batch,
+                                            spec.histories.accumulate)
         if accum == 1:
             (_, out), grads = grad_fn(params, batch)
             return out, grads
@@ -129,7 +130,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
         def body(carry, micro):
             g_acc, ce_acc, n_acc, aux_acc = carry
             (_, (ce, n, aux)), g = grad_fn(params, micro)
-            return (fp8.accumulate(g_acc, g), ce_acc + ce, n_acc + n,
+            return (spec.histories.accumulate(g_acc, g), ce_acc + ce, n_acc + n,
                     jax.tree.map(jnp.add, aux_acc, aux)), None
 
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
@@ -146,7 +147,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation, schedule: Callable,
                     layout: Layout, loss_fn: Optional[Callable] = None):
     """The jitted train step. ``loss_fn(model, batch) -> (loss_sum, aux)`` replaces the built-in cross entropy
-    (plus ``optim.z_loss``); see :class:`jaxtron.train.loop.Trainer` for the contract."""
+    (plus ``optim.z_loss``); see :class:`jaxtron.train.trainer.Trainer` for the contract."""
     loss_and_grads = make_loss_and_grads(cfg, spec, layout, loss_fn)
 
     def step(state, batch):
@@ -154,7 +155,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             params = state["params"]
             (ce, n, aux), raw = loss_and_grads(params, batch)
             n = jnp.maximum(n, 1.0)
-            grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), fp8.without_histories(raw), params)
+            grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), spec.histories.without(raw), params)
             grad_norm = optax.global_norm(grads)
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             new_params = optax.apply_updates(params, updates)
@@ -165,7 +166,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             aux, moe_load = routing.step_metrics(aux, n)
             if moe_load is not None and cfg.model.moe.aux_free_bias:  # DeepSeek-V3: no gradient, from the load
                 new_params = routing.update_expert_bias(new_params, moe_load, cfg.model.moe.bias_update_rate)
-            new_params = jax.tree.map(keep, fp8.roll_histories(new_params, params, raw), params)
+            new_params = jax.tree.map(keep, spec.histories.roll(new_params, params, raw), params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
             metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n,
                        "skipped": jnp.logical_not(ok), **aux}
@@ -174,6 +175,22 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(layout)),
                    out_shardings=(spec.state_shardings, None), donate_argnums=(0,),
                    compiler_options=compiler_options(cfg))
+
+
+def make_gradients(cfg: Config, spec: ModelSpec, layout: Layout, batch_sh: NamedSharding,
+                   loss_fn: Optional[Callable] = None):
+    """Jitted ``(params, batch) -> (grads, metrics)``: the fp32 gradient of the loss per loss token (what the
+    train step hands the optimizer, before clipping) and ``loss``, ``grad_norm``, ``tokens``."""
+    loss_and_grads = make_loss_and_grads(cfg, spec, layout, loss_fn)
+
+    def grads(params, batch):
+        with layout.tracing():
+            (ce, n, _), g = loss_and_grads(params, batch)
+            n = jnp.maximum(n, 1.0)
+            g = jax.tree.map(lambda x: x / n, spec.histories.without(g))
+            return g, {"loss": ce / n, "grad_norm": optax.global_norm(g), "tokens": n}
+
+    return jax.jit(grads, in_shardings=(spec.param_shardings, batch_sh), compiler_options=compiler_options(cfg))
 
 
 def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):

@@ -27,6 +27,9 @@ import numpy as np
 
 from jaxtron import config as config_lib
 from jaxtron.config import Config
+from jaxtron.model.attention import attention
+from jaxtron.model import kernels
+from jaxtron.model.layers import apply_rope, rope_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,6 @@ def _errors(kernel: Callable, reference: Callable, args, dtype) -> dict[str, flo
 
 
 def _attention_cases(cfg: Config, seq: int):
-    from jaxtron.model.attention import attention
-
     m = cfg.model
     d = config_lib.head_dim(m)
     group = m.num_heads // m.num_kv_heads
@@ -87,9 +88,6 @@ def _attention_cases(cfg: Config, seq: int):
 
 
 def _rope_case(cfg: Config, seq: int):
-    from jaxtron.model.kernels import rope as pallas_rope
-    from jaxtron.model.layers import apply_rope, rope_frequencies
-
     m = cfg.model
     d = config_lib.head_dim(m)
     ks = jax.random.split(jax.random.key(2), 2)
@@ -100,7 +98,7 @@ def _rope_case(cfg: Config, seq: int):
     inv = rope_frequencies(m)
 
     def fused(q, k):
-        return jnp.concatenate([x.reshape(-1) for x in pallas_rope(q, k, pos, inv)])
+        return jnp.concatenate([x.reshape(-1) for x in kernels.rope(q, k, pos, inv)])
 
     def reference(q, k):
         return jnp.concatenate([apply_rope(x, pos, inv).reshape(-1) for x in (q, k)])
@@ -108,17 +106,13 @@ def _rope_case(cfg: Config, seq: int):
 
 
 def _swiglu_case(cfg: Config, seq: int):
-    from jaxtron.model.kernels import swiglu as pallas_swiglu
-
     width = min(cfg.model.intermediate_size, 1024)
     ks = jax.random.split(jax.random.key(3), 2)
     gate, up = (jax.random.normal(key, (1, seq, width)) for key in ks)
-    return "swiglu", "model.mlp_impl", pallas_swiglu, lambda g, u: jax.nn.silu(g) * u, [gate, up]
+    return "swiglu", "model.mlp_impl", kernels.swiglu, lambda g, u: jax.nn.silu(g) * u, [gate, up]
 
 
 def _gmm_case(cfg: Config, seq: int):
-    from jaxtron.model.kernels import gmm
-
     e = cfg.model.moe
     rows, k, n = seq * e.num_experts_per_token, min(cfg.model.hidden_size, 512), min(e.expert_intermediate_size, 512)
     # Uneven loads with one idle expert, so group boundaries fall inside the kernel's row tiles.
@@ -128,7 +122,7 @@ def _gmm_case(cfg: Config, seq: int):
     sizes = jnp.asarray(rng.multinomial(rows, share / share.sum()), jnp.int32)
     ks = jax.random.split(jax.random.key(5), 2)
     x, w = jax.random.normal(ks[0], (rows, k)), jax.random.normal(ks[1], (e.num_experts, k, n)) * k ** -0.5
-    return ("grouped matmul", "model.moe.gmm_impl", lambda x, w: gmm(x, w, sizes),
+    return ("grouped matmul", "model.moe.gmm_impl", lambda x, w: kernels.gmm(x, w, sizes),
             lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32), [x, w])
 
 
