@@ -222,7 +222,7 @@ def test_aux_free_bias_moves_toward_balance():
 @pytest.mark.slow
 def test_aux_free_bias_is_updated_by_the_train_step_and_checkpointed(tmp_path):
     from jaxtron.checkpoint import Checkpointer
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     cfg = tiny_config(*MOE, "model.moe.score_func=sigmoid", "model.moe.aux_free_bias=true",
                       "model.moe.bias_update_rate=0.01", "model.moe.first_dense_layers=1", *NONZERO_LR)
@@ -329,7 +329,7 @@ def test_gmm_impl_pallas_runs_the_grouped_matmul_kernel():
 def test_pallas_grouped_matmul_gives_the_ragged_dot_loss_and_gradients():
     """model.moe.gmm_impl=pallas (the grouped-matmul kernels, interpreted on CPU) on the data 2 x fsdp 2 x tensor
     2 mesh against ragged_dot on one device: the loss and every gradient leaf within 1e-5 relative (fp32)."""
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     def loss_and_grads(cfg, devices):
         trainer = Trainer(cfg, devices)
@@ -394,7 +394,7 @@ def test_gradient_accumulation_sums_the_expert_load_of_every_micro_batch(one_dev
     """one_device's 2 micro batches of 4 against the whole batch of 8 in one: the same first-step loss and
     z-loss (per-token means) and the same max/mean expert load, which is only so if the step sums the loads of
     all micro batches. (The load-balancing loss is computed per micro batch, as Megatron does, so it differs.)"""
-    from jaxtron.train.loop import Trainer, put_batch
+    from jaxtron.train.trainer import Trainer, put_batch
 
     cfg = tiny_config(*PARALLEL_MOE, "parallel.data=1", "train.micro_batch_size=8")
     run = Trainer(cfg, jax.devices()[:1])
