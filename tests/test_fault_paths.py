@@ -201,3 +201,14 @@ def test_a_learning_rate_past_any_sane_range_is_refused(lr):
 
     with pytest.raises(config_lib.ConfigError, match=r"^optim\.lr: must be a finite learning rate <= 10, got "):
         config_lib.load(None, [f"optim.lr={lr}"])
+
+
+def test_prepare_writes_no_progress_frames_into_a_redirected_log(tmp_path, capsys):
+    from jaxtron.data.prepare import main as prepare_cli
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(20)))
+    assert prepare_cli(["--input", str(src), "--output-prefix", str(tmp_path / "out"), "--tokenizer", "byte"]) == 0
+    out = capsys.readouterr()  # stderr is not a terminal here, as in `... 2> prepare.log`
+    assert "\r" not in out.err and "\r" not in out.out, repr(out.err[:300])
+    assert out.out.startswith(f"wrote {tmp_path / 'out'}.bin")

@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--add-bos", action="store_true",
                    help="start every non-empty document with the tokenizer's BOS where it does not already")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none when stderr is not a terminal)")
     return p
 
 
@@ -227,7 +228,7 @@ def prepare(inputs: Sequence[str], output_prefix: str, tokenizer: str = "byte", 
         else:
             _init_worker(*init_args)
             results = map(_process, _tasks(inputs))
-        if progress:
+        if progress and sys.stderr.isatty():  # no carriage-return frames in a redirected log
             from tqdm import tqdm
             total = None if any(p.endswith(".gz") for p in inputs) else total_in  # .gz: sizes differ
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
