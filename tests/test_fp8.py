@@ -200,6 +200,39 @@ def test_empty_history_scales_by_one():
     np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-7)
 
 
+def test_histories_are_found_by_variable_type():
+    """The train step tells amax histories from weights by their variable type (fp8.Histories, read once off
+    the abstract model): a weight named like a history is a weight; a history accumulates over micro batches by
+    max, gets no optimizer update, rolls in the step's amaxes, and a weights-only load leaves it fresh."""
+    from flax import nnx
+
+    class Projection(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((2, 2)))
+            self.w_amax = fp8.AmaxHistory(jnp.zeros((3, 3)))
+            self.v_amax = nnx.Param(jnp.ones((3, 3)))  # a weight, whatever its name says
+
+    h = fp8.Histories.of(nnx.split(nnx.eval_shape(Projection))[1])
+    assert h.mask == {"w": False, "w_amax": True, "v_amax": False}
+    a = {"w": jnp.full((2, 2), 1.0), "w_amax": jnp.array([[1.0, 5.0, 2.0]] * 3), "v_amax": jnp.full((3, 3), 1.0)}
+    b = {"w": jnp.full((2, 2), 2.0), "w_amax": jnp.array([[3.0, 4.0, 2.0]] * 3), "v_amax": jnp.full((3, 3), 2.0)}
+    acc = h.accumulate(a, b)
+    np.testing.assert_array_equal(acc["w"], 3.0)
+    np.testing.assert_array_equal(acc["v_amax"], 3.0)
+    np.testing.assert_array_equal(acc["w_amax"][0], [3.0, 5.0, 2.0])
+    bare = h.without(b)
+    assert float(jnp.abs(bare["w_amax"]).max()) == 0.0 and float(bare["v_amax"].min()) == 2.0
+    old = {**a, "w_amax": jnp.arange(9.0).reshape(3, 3)}
+    rolled = h.roll(b, old, {**b, "w_amax": jnp.full((3, 3), 7.0)})
+    np.testing.assert_array_equal(rolled["w_amax"], [[7.0, 7.0, 7.0], [0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+    assert rolled["w"] is b["w"] and rolled["v_amax"] is b["v_amax"]
+    assert set(h.weights_only(a)) == {"w", "v_amax"}
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in a.items()}
+    fresh = h.with_fresh(h.weights_only(a), abstract)
+    assert set(fresh) == set(a) and float(jnp.abs(fresh["w_amax"]).max()) == 0.0 and fresh["w"] is a["w"]
+
+
 def _histories(state):
     from jaxtron.model.fp8 import HISTORY_SUFFIX
 
