@@ -59,6 +59,10 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
+from jaxtron.jax_startup import quiet_jax_import  # noqa: E402  (standard library only: JAX is not imported)
+
+quiet_jax_import()  # the user's own `import jax` after `import jaxtron`: quiet on a machine without a GPU
+
 
 def __getattr__(name: str):
     if name not in _EXPORTS:

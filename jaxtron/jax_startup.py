@@ -5,7 +5,9 @@ machine with no NVIDIA driver, ``import jax`` then prints "Could not find cuda d
 module, and the first use of the devices logs a "Jax plugin configuration error" traceback. On such a machine
 :func:`import_jax` drops those lines from the C-level stderr of the import and, when no ``JAX_PLATFORMS`` is
 chosen and no TPU runtime is installed, asks for the CPU platform, which skips the plugin's CUDA check. Everything else
-written to stderr meanwhile is passed on. With a driver present, nothing is changed.
+written to stderr meanwhile is passed on. With a driver present, nothing is changed. ``import jaxtron`` does
+not import JAX, but it installs :func:`quiet_jax_import`, so that the user's own ``import jax`` after it is
+quiet the same way.
 """
 
 from __future__ import annotations
@@ -79,6 +81,58 @@ def _without_noise_on_stderr():
                 os.write(2, b"".join(kept))
 
 
+def _use_cpu_unless_chosen(jax) -> None:
+    if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms \
+            and importlib.util.find_spec("libtpu") is None:
+        jax.config.update("jax_platforms", "cpu")
+
+
+class _QuietLoader:
+    """Executes ``jax`` inside the stderr filter, then hands the module its real loader back."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        try:
+            with _without_noise_on_stderr():
+                self.inner.exec_module(module)
+                _load_cuda_plugin_libraries()
+        finally:
+            module.__loader__ = module.__spec__.loader = self.inner
+        _use_cpu_unless_chosen(module)
+
+
+class _QuietJaxFinder:
+    """A ``sys.meta_path`` entry that makes the next ``import jax`` (the user's own, after ``import jaxtron``)
+    load as :func:`import_jax` does; it removes itself at that import."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "jax":
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _QuietLoader(spec.loader)
+        return spec
+
+
+def quiet_jax_import() -> None:
+    """Called by ``import jaxtron`` (which does not import JAX): on a machine where the CUDA plugin is installed
+    but no NVIDIA driver, a later ``import jax`` anywhere in the process is quiet too."""
+    if "jax" in sys.modules or any(isinstance(f, _QuietJaxFinder) for f in sys.meta_path):
+        return
+    if importlib.util.find_spec("jax_plugins") is None or nvidia_driver_present():
+        return
+    sys.meta_path.insert(0, _QuietJaxFinder())
+
+
 def import_jax():
     """``import jax``, quietly on a machine without a GPU (see the module docstring); returns the module."""
     if "jax" in sys.modules:
@@ -89,7 +143,5 @@ def import_jax():
     with _without_noise_on_stderr():
         import jax
         _load_cuda_plugin_libraries()  # each prints the line once, when first loaded
-    if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms \
-            and importlib.util.find_spec("libtpu") is None:
-        jax.config.update("jax_platforms", "cpu")
+    _use_cpu_unless_chosen(jax)
     return jax

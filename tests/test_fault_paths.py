@@ -212,3 +212,21 @@ def test_prepare_writes_no_progress_frames_into_a_redirected_log(tmp_path, capsy
     out = capsys.readouterr()  # stderr is not a terminal here, as in `... 2> prepare.log`
     assert "\r" not in out.err and "\r" not in out.out, repr(out.err[:300])
     assert out.out.startswith(f"wrote {tmp_path / 'out'}.bin")
+
+
+def test_import_jaxtron_then_jax_is_quiet_without_a_gpu():
+    """With the CUDA plugin installed (the test extra) and no NVIDIA driver, ``import jaxtron, jax`` printed the
+    driver probe's lines and, at the first device use, a 'Jax plugin configuration error' traceback."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from jaxtron.jax_startup import nvidia_driver_present
+
+    if importlib.util.find_spec("jax_plugins") is None or nvidia_driver_present():
+        pytest.skip("needs the CUDA plugin installed on a machine without an NVIDIA driver")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    code = "import sys, jaxtron; assert 'jax' not in sys.modules; import jax; print(jax.devices()[0].platform)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "cpu", proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]
