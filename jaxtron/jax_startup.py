@@ -18,6 +18,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+from typing import Optional
 
 PLUGIN_EXTENSIONS = ("jax_cuda12_plugin.cuda_plugin_extension", "jax_cuda12_plugin._versions",
                      "jax_cuda13_plugin.cuda_plugin_extension", "jax_cuda13_plugin._versions")
@@ -57,28 +58,54 @@ def _load_cuda_plugin_libraries() -> None:
                     pass
 
 
+class FilteredStderr:
+    """What :func:`stderr_filtered` yields: ``dropped`` (pattern -> lines dropped, filled at the end) and
+    :meth:`say`, which writes a line to the real stderr at once (progress that should not wait for the end)."""
+
+    def __init__(self, drop: tuple[bytes, ...]):
+        self.dropped = dict.fromkeys(drop, 0)
+        self.real_fd: Optional[int] = None
+
+    def say(self, line: str) -> None:
+        sys.stderr.flush()
+        os.write(self.real_fd if self.real_fd is not None else 2, (line + "\n").encode())
+
+
 @contextlib.contextmanager
-def _without_noise_on_stderr():
-    """Route file descriptor 2 (C++ logging writes there, not to ``sys.stderr``) through a temporary file and
-    pass on every line but the known noise."""
+def stderr_filtered(drop: tuple[bytes, ...]):
+    """Route file descriptor 2 (C++ logging writes there, not to ``sys.stderr``) through a temporary file; at the
+    end pass on every line that contains none of ``drop`` (yields a :class:`FilteredStderr`)."""
+    state = FilteredStderr(drop)
     try:
         sys.stderr.flush()
         saved = os.dup(2)
     except (OSError, ValueError):  # no usable fd 2 (some embedded interpreters): leave it alone
-        yield
+        yield state
         return
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 2)
+        state.real_fd = saved
         try:
-            yield
+            yield state
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
+            state.real_fd = None
             tmp.seek(0)
-            kept = [line for line in tmp if not any(n in line for n in NOISE)]
+            kept = []
+            for line in tmp:
+                hit = next((d for d in drop if d in line), None)
+                if hit is None:
+                    kept.append(line)
+                else:
+                    state.dropped[hit] += 1
             if kept:
                 os.write(2, b"".join(kept))
+
+
+def _without_noise_on_stderr():
+    return stderr_filtered(NOISE)
 
 
 def _use_cpu_unless_chosen(jax) -> None:

@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
                    help='compiler: XLA:GPU (auto, gpu; needs pip install -e ".[plan]") or cpu (the CPU compiler on '
                         'N virtual devices: memory figures indicative only)')
     p.add_argument("--search", action="store_true", help="try layouts and print the 5 fastest that fit")
+    p.add_argument("--show-xla-warnings", action="store_true",
+                   help="print XLA's '[SPMD] Involuntary full rematerialization' warnings (default: counted in one "
+                        "note)")
     p.add_argument("--max-compiles", type=int, default=12, help="--search: compile at most this many layouts")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--search-fp8", nargs="+", default=None, choices=("none", "current", "delayed", "blockwise"),
@@ -130,7 +133,8 @@ def _print_step_model(sm: dict) -> None:
     print(f"  collectives {_secs(sm['comm_s'])} on the wire: {_secs(sm['exposed_comm_s'])} exposed, "
           f"{_secs(sm['overlapped_comm_s'])} under compute (XLA's schedule replayed; jaxtron/plan/schedule.py)")
     for w in sm.get("longest_waits", [])[:3]:
-        print(f"    waits {_secs(w['seconds'])} per step on {w['collective']} {w['instruction']} ({w['op'] or '?'})")
+        served = f"serves {w['op']}" if w["op"] else "unattributed: XLA's metadata names no op"
+        print(f"    waits {_secs(w['seconds'])} per step on {w['collective']} {w['instruction']} ({served})")
     print(f"  step time {_secs(sm['step_time_s'])}, {sm['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {sm['mfu']:.1%} "
           "(full attention FLOPs): a prediction")
 
@@ -165,14 +169,32 @@ def _print_search(s: dict) -> None:
     for x in s["not_fitting_or_failed"]:
         why = x.get("error") or f"peak {x['peak'] / 2**30:.1f} GiB"
         print(f"  dropped: {x['overrides']}  ({why})")
-    print(f"\ntop {len(s['top'])} by the step model's predicted step time (all fit):")
+    if s.get("nothing_fits"):
+        print("\nnothing fits:")
+        for line in s["nothing_fits"]:
+            print(f"  {line}")
+    else:
+        print(f"\ntop {len(s['top'])} by the step model's predicted step time (all fit):")
     for i, r in enumerate(s["top"], 1):
         sm, roof, mem = r["step_model"], r["roofline"], r["memory"]
-        print(f"{i}. step {sm['step_time_s']:.3f} s  MFU {sm['mfu']:.1%}  (roofline {roof['step_time_s']:.3f} s)  peak "
-              f"{mem['peak'] / 2**30:.1f} GiB / {mem['usable'] / 2**30:.1f} GiB  ({r['compiler']})")
+        print(f"{i}. step {sm['step_time_s']:.3f} s  {sm['tokens_per_s_per_gpu']:.0f} tokens/s/GPU  MFU {sm['mfu']:.1%}  "
+              f"(roofline {roof['step_time_s']:.3f} s)  peak {mem['peak'] / 2**30:.1f} GiB / "
+              f"{mem['usable'] / 2**30:.1f} GiB  ({r['compiler']})")
         print(f"   {r['overrides']}")
     for n in s["notes"]:
         print(f"note: {n}")
+
+
+XLA_WARNINGS = (b"[SPMD] Involuntary full rematerialization",)
+
+
+def _xla_warnings_note(dropped: dict) -> str | None:
+    n = sum(dropped.values())
+    if not n:
+        return None
+    return (f"XLA warned {n} times of '[SPMD] Involuntary full rematerialization' while compiling (a resharding "
+            "it does by gathering the whole tensor; the compiled memory and collectives above include it); "
+            "--show-xla-warnings prints them")
 
 
 def _bad_argument(args) -> str | None:
@@ -217,6 +239,7 @@ def main(argv=None) -> int:
             pass
     from jaxtron import config as config_lib
     from jaxtron import preflight
+    from jaxtron.jax_startup import stderr_filtered
     from jaxtron.plan import plan, search
     from jaxtron.plan.gpus import get_gpu
 
@@ -234,15 +257,21 @@ def main(argv=None) -> int:
         if args.gemm_table:  # before any compile: a bad table is a one-line error at once
             from jaxtron.plan.gemm import load_table
             load_table(args.gemm_table)
+        with stderr_filtered(() if args.show_xla_warnings else XLA_WARNINGS) as err_out:
+            if args.search:
+                log = None if args.json else err_out.say  # progress at once, past the filter
+                out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,
+                             log=log, moe_gemm=args.moe_gemm, fp8_recipes=args.search_fp8)
+            else:
+                out = plan(cfg, gpu, args.num_gpus, args.backend, moe_gemm=args.moe_gemm)
+        note = _xla_warnings_note(err_out.dropped)
+        if note:
+            out["notes"] = out["notes"] + [note]
         if args.search:
-            log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
-            out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,
-                         log=log, moe_gemm=args.moe_gemm, fp8_recipes=args.search_fp8)
             print(json.dumps(out, default=float) if args.json else "", end="\n" if args.json else "")
             if not args.json:
                 _print_search(out)
         else:
-            out = plan(cfg, gpu, args.num_gpus, args.backend, moe_gemm=args.moe_gemm)
             if args.json:
                 print(json.dumps(out, default=float))
             else:

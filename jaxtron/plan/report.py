@@ -203,7 +203,8 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
                      "compute_efficiency": gpu.compute_efficiency, "comm_efficiency": gpu.comm_efficiency,
                      "collective_latency_us": gpu.collective_latency_us},
         "notes": notes + [f"usable memory assumes XLA_PYTHON_CLIENT_MEM_FRACTION={gpu.mem_fraction} on the cluster "
-                          "(JAX preallocates 0.75 of GPU memory by default)", PIPELINE_NOTE],
+                          "(JAX preallocates 0.75 of GPU memory by default)"]
+                 + ([PIPELINE_NOTE] if cfg.parallel.stage > 1 else []),
     }
     if keep_hlo:
         result["_hlo"] = text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import time
 from typing import Optional, Sequence
 
@@ -122,18 +123,21 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
         backend, notes = ("gpu" if devices[0].platform in ("gpu", "cuda") else "cpu"), []
     cands = [c for c in candidate_configs(cfg, num_gpus, gpu.gpus_per_node, fp8_recipes=fp8_recipes)
              if passes_checks(c, num_gpus)]
-    scored, pruned = [], 0
+    scored, pruned, smallest = [], 0, None
     for c in cands:
         cc, _ = prepare_config(c, backend)
         layout = Layout.planned(cc, num_gpus)
         est = pm.closed_form_memory(cc, layout)
+        if smallest is None or est["total"] < smallest[0]:
+            smallest = (est["total"], c)
         if est["total"] > margin * gpu.usable_bytes:
             pruned += 1
             continue
         scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus, moe_gemm), c))
     scored.sort(key=lambda x: x[0])
     results, rejected = [], []
-    for c in to_compile(scored, max_compiles):
+    compiling = to_compile(scored, max_compiles)
+    for c in compiling:
         try:
             r = plan(c, gpu, num_gpus, backend, devices, moe_gemm=moe_gemm)
         except Exception as err:  # noqa: BLE001 - a layout that does not compile is reported, not fatal
@@ -144,7 +148,51 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
                 f"step {r['step_model']['step_time_s']:.3f} s (step model), compile {r['compile_s']:.1f} s")
         (results if r["memory"]["fits"] else rejected).append(r)
     results.sort(key=lambda r: r["step_model"]["step_time_s"])
-    return {"candidates": len(cands), "pruned_by_estimate": pruned, "compiled": min(len(scored), max_compiles),
-            "not_fitting_or_failed": [x if "error" in x else {"overrides": x["overrides"],
-                                                              "peak": x["memory"]["peak"]} for x in rejected],
-            "top": results[:top], "search_s": time.perf_counter() - t0, "notes": notes + [PIPELINE_NOTE]}
+    out = {"candidates": len(cands), "pruned_by_estimate": pruned, "compiled": len(compiling),
+           "not_fitting_or_failed": [x if "error" in x else {"overrides": x["overrides"],
+                                                             "peak": x["memory"]["peak"]} for x in rejected],
+           "top": results[:top], "search_s": time.perf_counter() - t0,
+           "notes": notes + ([PIPELINE_NOTE] if any(c.parallel.stage > 1 for c in compiling) else [])}
+    if not results:
+        if smallest is not None:
+            out["smallest_estimate"] = {"overrides": layout_overrides(smallest[1]), "bytes": smallest[0]}
+        out["nothing_fits"] = why_nothing_fits(out, cfg, gpu, num_gpus, margin)
+    return out
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _gpus_for(num_gpus: int, need: float, usable: float) -> int:
+    """A power-of-two multiple of ``num_gpus`` that would bring ``need`` (mostly sharded state) under ``usable``."""
+    return num_gpus * 2 ** max(1, math.ceil(math.log2(max(need / usable, 1.0))))
+
+
+def why_nothing_fits(out: dict, cfg: Config, gpu: GpuSpec, num_gpus: int, margin: float) -> list[str]:
+    """Why --search found no layout, and what to change: lines for the user."""
+    usable = gpu.usable_bytes
+    lines = []
+    if out["candidates"] == 0:
+        return [f"no layout of {num_gpus} GPUs passes the config's checks (tensor sizes must divide the heads and "
+                f"widths, the data-parallel size the global batch {cfg.train.global_batch_size}): try another "
+                "--num-gpus or train.global_batch_size"]
+    peaks = [x for x in out["not_fitting_or_failed"] if "peak" in x]
+    gpus = num_gpus * 2
+    if peaks:
+        best = min(peaks, key=lambda x: x["peak"])
+        lines.append(f"the smallest compiled peak is {_size(best['peak'])} per GPU against {_size(usable)} usable "
+                     f"({best['overrides']})")
+        gpus = _gpus_for(num_gpus, best["peak"], usable)
+    if out["pruned_by_estimate"] == out["candidates"]:
+        est = out.get("smallest_estimate")
+        smallest = f" (the smallest, {_size(est['bytes'])}: {est['overrides']})" if est else ""
+        lines.append(f"every layout's closed-form memory estimate is above {margin:g} x the {_size(usable)} usable "
+                     f"per GPU{smallest}, so none was compiled")
+        if est:
+            gpus = _gpus_for(num_gpus, est["bytes"], usable)
+    tried = "tensor, fsdp" + (", expert" if cfg.model.moe.num_experts else "") + " and pipeline sizes and " \
+        "model.remat none/save_dots/full were all tried"
+    lines.append(f"{tried}; try more GPUs (--num-gpus {gpus}: optimizer state and weights shard over them), a "
+                 "smaller train.global_batch_size or data.seq_len, or a GPU with more memory (--gpu)")
+    return lines
