@@ -1,7 +1,11 @@
 """The docs cannot drift from the code: the config reference is regenerated and compared, every config field
-and ``jaxtron.*`` name the docs mention exists, relative links resolve, and the README's quick start stands."""
+and ``jaxtron.*`` name the docs mention exists, relative links resolve, the README's quick start stands, and the
+lists the docs keep of things the code defines are complete: presets, packages, Hugging Face architectures,
+mesh axes, the rules table and the PartitionSpec it produces. (The snippets themselves run in
+tests/test_doc_snippets.py.)"""
 
 import dataclasses
+import glob
 import importlib.util
 import os
 import re
@@ -13,8 +17,7 @@ from jaxtron import config as config_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs")
-PAGES = ["index.md", "install.md", "api.md", "config.md", "parallelism.md", "data.md", "checkpoints.md",
-         "multihost.md", "planner.md", "kernels.md", "moe.md"]
+PAGES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(DOCS, "*.md")))
 SECTIONS = tuple(f.name for f in dataclasses.fields(config_lib.Config))
 
 
@@ -64,6 +67,13 @@ def _fields():
     return names | {n.rsplit(".", 1)[0] for n in names}  # and the nested sections (model.rope_scaling)
 
 
+def _names_a_module(section: str, rest: str) -> bool:
+    """``parallel.pipeline.value_and_grad`` names jaxtron.parallel.pipeline's function, not a config field."""
+    first = rest.split(".")[0]
+    return os.path.exists(os.path.join(REPO, "jaxtron", section, first + ".py")) or os.path.isdir(
+        os.path.join(REPO, "jaxtron", section, first))
+
+
 @pytest.mark.parametrize("path", _markdown_files(), ids=os.path.basename)
 def test_config_fields_mentioned_exist(path):
     fields = _fields()
@@ -73,7 +83,7 @@ def test_config_fields_mentioned_exist(path):
     for span in spans:
         for token in re.split(r"[\s\"']+", span):
             m = pattern.match(token)
-            if m and f"{m.group(1)}.{m.group(2)}" not in fields:
+            if m and f"{m.group(1)}.{m.group(2)}" not in fields and not _names_a_module(m.group(1), m.group(2)):
                 unknown.add(token)
     assert not unknown, f"{os.path.basename(path)} mentions config fields that do not exist: {sorted(unknown)}"
 
@@ -88,3 +98,111 @@ def test_api_names_mentioned_exist():
             assert hasattr(obj, part), f"docs mention {dotted}, which does not exist"
             obj = getattr(obj, part)
     assert set(jaxtron.__all__) <= set(re.findall(r"`([A-Za-z_]+)`", _read(os.path.join(DOCS, "api.md"))))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lists the docs keep of things the code defines
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _block_after(text: str, heading: str) -> str:
+    """The first fenced block after ``heading``."""
+    return re.search(re.escape(heading) + r".*?```\n(.*?)```", text, re.S).group(1)
+
+
+def test_every_page_is_in_the_index():
+    index = _read(os.path.join(DOCS, "index.md"))
+    missing = [p for p in PAGES if p != "index.md" and f"]({p})" not in index]
+    assert not missing, f"docs/index.md's table of pages lacks {missing}"
+
+
+def test_every_preset_is_listed():
+    presets = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+    readme = _read(os.path.join(REPO, "README.md"))
+    listed = re.search(r"Presets live in\s+`configs/` \((.*?)\)\. A bad value", readme, re.S).group(1)
+    assert not [p for p in presets if f"`{p}`" not in listed], "README's preset list lacks some configs/*.yaml"
+    index = _block_after(_read(os.path.join(DOCS, "index.md")), "## Code layout")
+    line = index[index.index("configs/"):]
+    assert not [p for p in presets if not re.search(rf"\b{p}\b", line)], "docs/index.md's presets lack some"
+
+
+def test_every_package_is_in_the_code_layout():
+    packages = sorted(f"jaxtron/{os.path.basename(os.path.dirname(p))}/"
+                      for p in glob.glob(os.path.join(REPO, "jaxtron", "*", "__init__.py")))
+    for path, heading in [(os.path.join(REPO, "README.md"), "## Layout"),
+                          (os.path.join(DOCS, "index.md"), "## Code layout")]:
+        block = _block_after(_read(path), heading)
+        missing = [p for p in packages if p not in block]
+        assert not missing, f"{os.path.basename(path)}'s code layout lacks {missing}"
+
+
+def test_every_hugging_face_architecture_is_named():
+    from jaxtron.convert.hf.config import ARCHITECTURES
+
+    names = [a.removesuffix("ForCausalLM").replace("Moe", "-MoE") for a in ARCHITECTURES]
+    readme, index = _read(os.path.join(REPO, "README.md")), _read(os.path.join(DOCS, "index.md"))
+    places = {"README's layout": _block_after(readme, "## Layout"),
+              "docs/index.md's layout": _block_after(index, "## Code layout"),
+              "docs/index.md's convert command": next(ln for ln in index.splitlines() if "jaxtron.convert" in ln),
+              "README's intro": readme[:readme.index("## Quick start")],
+              "docs/index.md's intro": index[:index.index("| page |")]}
+    for place, text in places.items():
+        missing = [n for n in names if not re.search(rf"\b{re.escape(n)}\b(?!-)", text)]
+        if "intro" in place:  # the intros name the families: Llama 2/3, Qwen2, dense Qwen3, ...
+            missing = [n for n in missing if n not in ("Llama",)]
+        assert not missing, f"{place} does not name {missing}"
+
+
+def test_mesh_axes_in_the_docs_are_the_code_s():
+    from jaxtron.parallel.axes import AXES
+
+    text = "".join(_read(p) for p in _markdown_files())
+    for listing in re.findall(r"\(('[a-z]+'(?:,\s*#?\s*'[a-z]+')+)\)", text):
+        axes = tuple(re.findall(r"'([a-z]+)'", listing))
+        if "stage" in axes and "tensor" in axes:  # a listing of the mesh axes
+            assert axes == AXES, f"the docs list the mesh axes as {axes}; the code's are {AXES}"
+    parallelism = _read(os.path.join(DOCS, "parallelism.md"))
+    table = re.findall(r"^\| `([a-z]+)` \| `parallel\.([a-z]+)` \|", parallelism, re.M)
+    assert tuple(a for a, _ in table) == AXES and all(a == f for a, f in table), table
+    assert f"The mesh has {len(AXES)} axes" in parallelism
+    for intro in (_read(os.path.join(REPO, "README.md")).split("## Quick start")[0],
+                  _read(os.path.join(DOCS, "index.md")).split("| page |")[0]):
+        for axis in AXES:  # the intros name every kind of parallelism
+            assert {"stage": "pipeline", "fsdp": "FSDP"}.get(axis, axis) in intro, axis
+
+
+def _rules_table() -> dict[str, tuple[str, ...]]:
+    """docs/parallelism.md's rules table: logical name -> the mesh axes its row names (() for replicated)."""
+    section = _read(os.path.join(DOCS, "parallelism.md")).split("## The rules table")[1].split("\n## ")[0]
+    rows = {}
+    for names, axes in re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", section, re.M):
+        for name in re.findall(r"`([a-z_]+)`", names):
+            assert name not in rows, f"docs/parallelism.md's rules table lists {name} twice"
+            rows[name] = tuple(re.findall(r"`([a-z]+)`", axes))
+    return rows
+
+
+def test_the_rules_table_in_the_docs_is_the_code_s():
+    from jaxtron.config.schema import ParallelConfig
+    from jaxtron.parallel.rules import logical_rules
+
+    code = {}
+    for name, axes in logical_rules(ParallelConfig()):
+        code[name] = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    assert _rules_table() == code
+
+
+def test_the_partition_spec_in_the_docs_is_the_code_s():
+    """parallelism.md prints the sharding of the first attention weight under fsdp 4 x tensor 2."""
+    from flax import nnx
+
+    from jaxtron.model.llama import Llama
+    from jaxtron.parallel.layout import Layout
+    from jaxtron.parallel.sharding import logical_names, logical_to_spec
+
+    text = _read(os.path.join(DOCS, "parallelism.md"))
+    documented = re.search(r"wq\[\.\.\.\]\.sharding\.spec\)\s+# (P\(.*?\)):", text).group(1)
+    cfg = config_lib.load("tiny", ["parallel.data=1", "parallel.fsdp=4", "parallel.tensor=2"])
+    names = logical_names(nnx.state(nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0)))))
+    spec = logical_to_spec(tuple(names["layers"]["attention"]["wq"]), Layout.planned(cfg, 8).rules)
+    assert documented == repr(spec).replace("PartitionSpec", "P"), (documented, spec)
