@@ -206,3 +206,12 @@ def test_the_partition_spec_in_the_docs_is_the_code_s():
     names = logical_names(nnx.state(nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0)))))
     spec = logical_to_spec(tuple(names["layers"]["attention"]["wq"]), Layout.planned(cfg, 8).rules)
     assert documented == repr(spec).replace("PartitionSpec", "P"), (documented, spec)
+
+
+def test_repository_paths_mentioned_exist():
+    """Every file or folder of the repository the docs name (``jaxtron/parallel/rules.py``, ``tests/...``)."""
+    pattern = re.compile(r"(?<![\w/.-])((?:jaxtron|tests|scripts|configs|pallas_kernels|examples)/[\w./<>*{}-]*[\w/])")
+    for path in _markdown_files():
+        missing = sorted({p for p in pattern.findall(_read(path))
+                          if not any(c in p for c in "<>*{}") and not os.path.exists(os.path.join(REPO, p))})
+        assert not missing, f"{os.path.basename(path)} names paths that do not exist: {missing}"
