@@ -43,10 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtron.convert.loading import is_hf_folder, load_model  # noqa: F401  (re-exported: loading lives in convert)
 from jaxtron.model.cache import init_cache
 
-__all__ = ["generate", "generate_no_cache", "GenerateOutput", "nucleus_mask", "sample_logits", "load_model",
+__all__ = ["generate", "generate_no_cache", "GenerateOutput", "nucleus_mask", "sample_logits",
            "default_tokenizer", "checkpoint_tokenizer", "decode_known"]
 
 
