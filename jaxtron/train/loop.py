@@ -88,7 +88,9 @@ def _run(trainer, ckpt) -> TrainResult:
                 metrics = trainer.step(batch)
                 done = step + 1
                 if done < t.steps:  # prepare the next batch while the device works
+                    fetch = time.perf_counter()
                     batch = put_local_batch(next(stream), trainer.batch_sharding, t.global_batch_size)
+                    trainer.data_wait_s += time.perf_counter() - fetch
                 result.final_step = done
                 if bool(metrics["skipped"]):
                     skipped["skipped_total"] += 1

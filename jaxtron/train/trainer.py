@@ -28,6 +28,7 @@ from jaxtron.train.callbacks import TrainResult, as_callback
 from jaxtron.train.checkpointing import Checkpointing, Restored
 from jaxtron.train.flops import device_peak_tflops
 from jaxtron.train.loop import train_loop
+from jaxtron.train import monitoring
 from jaxtron.train.program import build_program
 from jaxtron.train.step import BATCH_KEYS
 
@@ -95,6 +96,7 @@ class Trainer:
         self.peak_flops = peak * 1e12 if peak else None
         self.meta: dict = {}  # what the checkpoint this run resumed from recorded (empty when fresh)
         self.skipped = {"skipped_total": 0, "skipped_in_a_row": 0}
+        self.data_wait_s = 0.0  # seconds train() has spent fetching batches (read by the health monitor)
         self.stop_requested: Optional[str] = None  # a reason, once request_stop() asked train() to stop
         self._state: Optional[dict] = None
         self._step_count: Optional[int] = None  # host copy of state["step"] (None: read it from the state)
@@ -330,7 +332,8 @@ def run(cfg: Config) -> TrainResult:
     """What ``python -m jaxtron.train`` does: log to stderr, write ``<output_dir>/config.yaml``, train."""
     setup_logging(cfg.logging.level)
     data = make_corpus(cfg)  # bad data paths fail here, in a second, before the model is built
-    trainer = Trainer(cfg)  # the Layout's checks first: a config that cannot run writes nothing
+    # the Layout's checks first: a config that cannot run writes nothing
+    trainer = Trainer(cfg, callbacks=monitoring.callbacks(cfg))
     trainer.data = data
     if jax.process_index() == 0:
         os.makedirs(cfg.train.output_dir, exist_ok=True)
