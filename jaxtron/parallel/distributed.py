@@ -1,9 +1,7 @@
-"""Joining a multi-process run: ``jax.distributed.initialize`` from explicit settings, a Kubernetes JobSet, SLURM
-or Open MPI.
+"""Joining a multi-process run: ``jax.distributed.initialize`` from explicit settings, SLURM or Open MPI.
 
 Explicit settings come from ``distributed.*`` config fields or the environment (``JAXTRON_COORDINATOR=host:port``,
-``JAXTRON_NUM_PROCESSES``, ``JAXTRON_PROCESS_ID``); in a JobSet pod from its indices
-(:mod:`jaxtron.parallel.kubernetes`); under SLURM (``srun``, more than one task) or Open MPI
+``JAXTRON_NUM_PROCESSES``, ``JAXTRON_PROCESS_ID``); under SLURM (``srun``, more than one task) or Open MPI
 (``mpirun``, more than one rank) JAX's own cluster detection finds them. A single process initializes
 nothing. XLA's collectives (NCCL on GPU, gloo on CPU) carry the traffic; the coordination service's heartbeats
 and jaxtron's watchdog (:mod:`jaxtron.parallel.watchdog`, ``train.collective_timeout_s``) make every process
@@ -19,7 +17,6 @@ import os
 from typing import Optional
 
 from jaxtron.config import Config, ConfigError
-from jaxtron.parallel import kubernetes
 
 log = logging.getLogger("jaxtron")
 
@@ -42,11 +39,9 @@ def _int(value: str, field: str) -> int:
 
 
 def launch_mode(cfg: Config) -> str:
-    """'explicit', 'kubernetes', 'slurm', 'mpi' or 'single'."""
+    """'explicit', 'slurm', 'mpi' or 'single'."""
     if any(_setting(cfg, n) for n in ENV):
         return "explicit"
-    if kubernetes.detected():  # a JobSet pod (jaxtron.parallel.kubernetes)
-        return "kubernetes"
     if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in os.environ:
         return "slurm"
     if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
@@ -83,19 +78,67 @@ def initialize(cfg: Config) -> int:
         if ":" not in coordinator:
             raise ConfigError("distributed.coordinator", f"expected host:port, got {coordinator!r}")
         _join(coordinator, num_i, pid_i, None, cfg, kwargs)
-    elif mode == "kubernetes":
-        pod = kubernetes.pod()
-        if pod.num_pods == 1:
-            return 1
-        _join(pod.coordinator, pod.num_pods, pod.pod_rank, None, cfg, kwargs)
     else:  # JAX's SLURM / Open MPI cluster detection
         from jax._src.clusters import ClusterEnv
         coordinator, num_i, pid_i, local_ids = ClusterEnv.auto_detect_unset_distributed_params(
             None, None, None, None, None, kwargs["initialization_timeout"])
         _join(coordinator, num_i, pid_i, local_ids, cfg, kwargs)
     log.debug("joined %s run: process %d of %d", mode, jax.process_index(), jax.process_count())
+    if "cpu" in (os.environ.get("JAX_PLATFORMS") or str(jax.config.jax_platforms or "")).split(","):
+        _drop_gloo_banners()
     _start_watchdog(cfg.train.collective_timeout_s)
     return jax.process_count()
+
+
+_STDOUT_DRAIN = None
+
+
+def _drop_gloo_banners() -> None:
+    """Gloo (XLA:CPU's collectives) prints ``[Gloo] Rank 0 is connected to 1 peer ranks ...`` from C++ on stdout
+    at every new communicator, interleaved between the processes. File descriptor 1 goes through a pipe whose
+    reader passes on every other line; at exit (or before ``os._exit``) the pipe is drained and fd 1 restored."""
+    import atexit
+    import sys
+    import threading
+
+    global _STDOUT_DRAIN
+    if _STDOUT_DRAIN is not None:
+        return
+    sys.stdout.flush()
+    real = os.dup(1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def pump() -> None:
+        rest = b""
+        while chunk := os.read(read_end, 65536):
+            *lines, rest = (rest + chunk).split(b"\n")
+            kept = b"".join(line + b"\n" for line in lines if not line.startswith(b"[Gloo] "))
+            if kept:
+                os.write(real, kept)
+        if rest and not rest.startswith(b"[Gloo] "):
+            os.write(real, rest)
+        os.close(read_end)
+
+    thread = threading.Thread(target=pump, name="jaxtron-stdout-filter", daemon=True)
+    thread.start()
+
+    def drain() -> None:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(real, 1)  # the pipe's last write end here: the reader sees its end once children let go
+        thread.join(timeout=2.0)
+
+    _STDOUT_DRAIN = drain
+    atexit.register(drain)
+
+
+def _before_exit() -> None:
+    if _STDOUT_DRAIN is not None:
+        _STDOUT_DRAIN()
 
 
 def _join(coordinator: str, num: int, pid: int, local_ids, cfg: Config, kwargs: dict) -> None:
@@ -183,7 +226,13 @@ def _start_watchdog(timeout: float) -> None:
     client = jax_distributed.global_state.client
     if client is None or jax.process_count() == 1:
         return
-    _WATCHDOG = PeerWatchdog(client, jax.process_index(), jax.process_count(), timeout).start()
+    _WATCHDOG = PeerWatchdog(client, jax.process_index(), jax.process_count(), timeout,
+                             exit_fn=_exit_now).start()
+
+
+def _exit_now(status: int) -> None:
+    _before_exit()
+    os._exit(status)
 
 
 def exit_lost_peer(message: str) -> None:
@@ -195,6 +244,7 @@ def exit_lost_peer(message: str) -> None:
     report_failure(message)
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
+    _before_exit()
     os._exit(EXIT_PEER_LOST)
 
 
