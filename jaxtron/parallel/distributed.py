@@ -1,7 +1,9 @@
-"""Joining a multi-process run: ``jax.distributed.initialize`` from explicit settings, SLURM or Open MPI.
+"""Joining a multi-process run: ``jax.distributed.initialize`` from explicit settings, a Kubernetes JobSet, SLURM
+or Open MPI.
 
 Explicit settings come from ``distributed.*`` config fields or the environment (``JAXTRON_COORDINATOR=host:port``,
-``JAXTRON_NUM_PROCESSES``, ``JAXTRON_PROCESS_ID``); under SLURM (``srun``, more than one task) or Open MPI
+``JAXTRON_NUM_PROCESSES``, ``JAXTRON_PROCESS_ID``); in a JobSet pod from its indices
+(:mod:`jaxtron.parallel.kubernetes`); under SLURM (``srun``, more than one task) or Open MPI
 (``mpirun``, more than one rank) JAX's own cluster detection finds them. A single process initializes
 nothing. XLA's collectives (NCCL on GPU, gloo on CPU) carry the traffic; the coordination service's heartbeats
 and jaxtron's watchdog (:mod:`jaxtron.parallel.watchdog`, ``train.collective_timeout_s``) make every process
@@ -17,6 +19,7 @@ import os
 from typing import Optional
 
 from jaxtron.config import Config, ConfigError
+from jaxtron.parallel import kubernetes
 
 log = logging.getLogger("jaxtron")
 
@@ -39,9 +42,11 @@ def _int(value: str, field: str) -> int:
 
 
 def launch_mode(cfg: Config) -> str:
-    """'explicit', 'slurm', 'mpi' or 'single'."""
+    """'explicit', 'kubernetes', 'slurm', 'mpi' or 'single'."""
     if any(_setting(cfg, n) for n in ENV):
         return "explicit"
+    if kubernetes.detected():  # a JobSet pod (jaxtron.parallel.kubernetes)
+        return "kubernetes"
     if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in os.environ:
         return "slurm"
     if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
@@ -78,6 +83,11 @@ def initialize(cfg: Config) -> int:
         if ":" not in coordinator:
             raise ConfigError("distributed.coordinator", f"expected host:port, got {coordinator!r}")
         _join(coordinator, num_i, pid_i, None, cfg, kwargs)
+    elif mode == "kubernetes":
+        pod = kubernetes.pod()
+        if pod.num_pods == 1:
+            return 1
+        _join(pod.coordinator, pod.num_pods, pod.pod_rank, None, cfg, kwargs)
     else:  # JAX's SLURM / Open MPI cluster detection
         from jax._src.clusters import ClusterEnv
         coordinator, num_i, pid_i, local_ids = ClusterEnv.auto_detect_unset_distributed_params(
