@@ -21,7 +21,7 @@ from typing import Mapping, Optional, Sequence
 from jaxtron.config.loading import inference_parallel
 from jaxtron.config.schema import Config, ModelConfig, head_dim, require
 from jaxtron.model import kernels
-from jaxtron.parallel.axes import CONTEXT, EXPERT, TENSOR
+from jaxtron.parallel.axes import CONTEXT, EXPERT, STAGE, TENSOR
 from jaxtron.parallel.expert import check_expert
 from jaxtron.parallel.layout import Layout, check_parallel, known_sizes
 
@@ -38,6 +38,16 @@ def check(cfg: Config, layout: Optional[Layout] = None) -> None:
                       tensor=layout.tp)
     else:
         kernels.check(cfg)
+    check_fp8(cfg, sizes)
+
+
+def check_fp8(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """The FP8 recipes' needs of the mesh (``sizes`` by axis; an axis missing from them is not checked)."""
+    m, p = cfg.model, cfg.parallel
+    require(not (m.fp8 == "delayed" and sizes.get(STAGE, 1) > 1 and p.pipeline_schedule != "1f1b"), "model.fp8",
+            f"delayed scaling under parallel.pipeline_schedule={p.pipeline_schedule!r} is not built "
+            "(differentiating its loop sums the micro batches' amaxes instead of taking their max); use "
+            "parallel.pipeline_schedule=1f1b or model.fp8=current")
     check_blockwise(cfg, sizes)
 
 

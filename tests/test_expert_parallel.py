@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from helpers import NONZERO_LR, assert_same_training, moe_training_record, tiny_config
+from jaxtron import preflight
 from jaxtron.config import ConfigError
 from jaxtron.model.moe import MoE
 from jaxtron.parallel.expert import capacity
@@ -271,7 +272,7 @@ def test_capacity_is_at_most_the_worst_case():
 ])
 def test_bad_expert_configs_give_one_line_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
-        tiny_config(*EP_MOE, *overrides)
+        preflight.check(tiny_config(*EP_MOE, *overrides))
     assert str(err.value).startswith(f"{field}: ") and len(str(err.value).splitlines()) == 1, str(err.value)
 
 

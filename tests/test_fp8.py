@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from helpers import NONZERO_LR, assert_same_training, tiny_config, training_record
 from jaxtron import config as config_lib
+from jaxtron import preflight
 from jaxtron.config import ConfigError
 from jaxtron.model import fp8
 from test_plan import SMALL, _cfg, _cli, needs_xla_gpu, pm
@@ -318,7 +319,7 @@ def test_delayed_scaling_resumes_exactly_and_on_another_mesh(tmp_path):
 ])
 def test_delayed_config_errors_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):
-        tiny_config(*overrides)
+        preflight.check(tiny_config(*overrides))
 
 
 def test_weights_only_load_into_delayed_starts_empty_histories(tmp_path):

@@ -15,7 +15,8 @@ from helpers import NONZERO_LR, moe_training_record, synthetic_batch, tiny_confi
 from jaxtron import config as config_lib
 from jaxtron.config.schema import MoEConfig
 from jaxtron.model import routing
-from jaxtron.model.moe import MoE, capacity
+from jaxtron.model.moe import MoE
+from jaxtron.parallel.expert import capacity
 from jaxtron.train.__main__ import main
 
 MOE = ["model.moe.num_experts=4", "model.moe.num_experts_per_token=2", "model.moe.expert_intermediate_size=32"]
@@ -167,7 +168,7 @@ def test_capacity_drops_exactly_the_assignments_over_capacity():
     tokens = np.asarray(x).reshape(-1, 64)
     experts, _ = _np_route(tokens, np.asarray(layer.router[...]), layer.moe)
     t, k = experts.shape
-    c = capacity(t, k, 4, factor)
+    c = capacity(t, k, 4, 1, factor)
     # direct count, first choices before second choices, each in token order
     drop, seen = np.zeros((t, k), bool), np.zeros(4, int)
     for j in range(k):

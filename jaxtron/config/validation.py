@@ -64,10 +64,6 @@ def _validate_model(cfg: Config) -> None:
     _one_of(cfg, "model.fp8", FP8_RECIPES)
     check(m.fp8_amax_history >= 1, "model.fp8_amax_history", f"must be >= 1, got {m.fp8_amax_history}")
     check(m.fp8_margin >= 0, "model.fp8_margin", f"must be >= 0, got {m.fp8_margin}")
-    check(not (m.fp8 == "delayed" and cfg.parallel.stage > 1 and cfg.parallel.pipeline_schedule != "1f1b"),
-          "model.fp8", f"delayed scaling under parallel.pipeline_schedule={cfg.parallel.pipeline_schedule!r} is "
-          "not built (differentiating its loop sums the micro batches' amaxes instead of taking their max); use "
-          "parallel.pipeline_schedule=1f1b or model.fp8=current")
     _check_blockwise(cfg)
     _one_of(cfg, "model.rope_impl", KERNEL_IMPLS)
     _one_of(cfg, "model.mlp_impl", KERNEL_IMPLS)

@@ -19,11 +19,11 @@ Dispatch (``model.moe.dispatch``):
   (``parallel.expert > 1``) the tokens travel to their experts' ranks and back (``jaxtron.parallel.expert``:
   all-to-all of per-rank buffers, the same grouped matmuls on each rank's experts); a buffer smaller than the
   worst case (``model.moe.ep_capacity_factor``) drops the assignments past it.
-- ``capacity``: each expert takes at most C = ceil(capacity_factor * T * k / E) assignments, first choices
-  before second choices (Switch/GShard priority: all tokens' top-1, then top-2, ... each in token order);
-  the rest are dropped, i.e. contribute nothing, so the residual stream carries the token past the layer. The
-  kept tokens are scattered into an [E, C, hidden] buffer and every expert runs a dense einsum over its C
-  slots.
+- ``capacity``: each expert takes at most C = min(ceil(capacity_factor * T * k / E), T) assignments (a token
+  sends an expert one at most, so the cap at T drops nothing), first choices before second choices
+  (Switch/GShard priority: all tokens' top-1, then top-2, ... each in token order); the rest are dropped, i.e.
+  contribute nothing, so the residual stream carries the token past the layer. The kept tokens are scattered
+  into an [E, C, hidden] buffer and every expert runs a dense einsum over its C slots.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig
-from jaxtron.model import fp8, routing
+from jaxtron.model import fp8, kernels, routing
 from jaxtron.model.layers import SwiGLU, param
 from jaxtron.model.projection import project
 from jaxtron.parallel import expert as expert_parallel
@@ -55,8 +55,6 @@ def _grouped_matmul(gmm_impl: str, fp8_recipe: str = "none"):
     if gmm_impl == "ragged_dot" and fp8_recipe != "none":
         return fp8.grouped
     if gmm_impl == "pallas":
-        from jaxtron.model import kernels
-
         return kernels.gmm
     return lambda a, w, sizes: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
 
@@ -83,15 +81,11 @@ def dropless(x, r: routing.Routing, w_gate, w_up, w_down, gmm_impl: str = "ragge
     return combined.astype(x.dtype), jnp.zeros((), jnp.float32)
 
 
-def capacity(num_tokens: int, k: int, num_experts: int, factor: float) -> int:
-    return max(1, math.ceil(factor * num_tokens * k / num_experts))
-
-
 def capacity_dispatch(x, r: routing.Routing, w_gate, w_up, w_down, factor: float):
     """Capacity-limited dispatch; returns ([T, D], number of dropped assignments)."""
     t, k = r.experts.shape
     num_experts = w_gate.shape[0]
-    c = capacity(t, k, num_experts, factor)
+    c = expert_parallel.capacity(t, k, num_experts, 1, factor)  # each expert its own queue
     experts = r.experts.T.reshape(-1)                              # choice-major: all top-1 choices first
     onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [k*T, E]
     position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # place in its expert's queue

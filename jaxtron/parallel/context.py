@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtron.config.schema import Config, ConfigError
 
-AXIS = "context"
 IMPLEMENTATIONS = ("all_gather", "ring", "ulysses")
 
 
@@ -78,8 +78,6 @@ def balance(batch: dict, context: int) -> dict:
     """Every [batch, seq] array of ``batch`` in the load-balanced order (unchanged with context 1)."""
     if context == 1:
         return batch
-    import jax.numpy as jnp
-
     seq_len = batch["inputs"].shape[1]
     order = jnp.asarray(balance_order(seq_len, context))
     return {k: jnp.take(v, order, axis=1) if v.ndim >= 2 and v.shape[1] == seq_len else v

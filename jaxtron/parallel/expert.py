@@ -42,11 +42,15 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Sequence
 
-from jaxtron.config.schema import Config, ConfigError
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-AXIS = "expert"
+from jaxtron.config.schema import Config, ConfigError
+from jaxtron.parallel.sharding import current_context, devices_are_cpu, logical_to_spec
+
 IMPLEMENTATIONS = ("all_to_all", "ragged_all_to_all")
-WEIGHT_NAME = "experts"  # the logical name of the expert stacks' leading axis (rules.py maps it onto AXIS)
+WEIGHT_NAME = "experts"  # the logical name of the expert stacks' leading axis (rules.py maps it onto the expert axis)
 
 
 def check_expert(cfg: Config, expert: Optional[int], platform: Optional[str] = None) -> None:
@@ -75,14 +79,15 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def _split(names: Sequence[str], rules) -> tuple[str, ...]:
-    from jaxtron.parallel.sharding import logical_to_spec
-
     return _axes(logical_to_spec(tuple(names), rules)[0])
 
 
 def capacity(tokens: int, k: int, ranks: int, local_experts: int, factor: Optional[float]) -> int:
-    """Rows per destination rank in a device's send buffer: ceil(factor * tokens * k / ranks), at most the
-    worst case tokens * min(k, local_experts) (``factor`` None: the worst case, nothing dropped)."""
+    """Rows per destination in a send buffer of ``tokens`` tokens' top-``k`` assignments spread over ``ranks``
+    destinations of ``local_experts`` experts each: ceil(factor * tokens * k / ranks), at most the worst case
+    tokens * min(k, local_experts) (``factor`` None: the worst case, nothing dropped). A destination is an
+    expert rank here, and one expert in the model's ``capacity`` dispatch (ranks = experts, local_experts = 1:
+    an expert gets at most one assignment per token)."""
     worst = tokens * min(k, local_experts)
     if factor is None:
         return worst
@@ -100,11 +105,6 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     the whole batch onto every device, which then repeats the whole batch's expert work. A batch that does not
     split over the devices (a few prompts in generation) or a single device: ``plain()``, the dropless dispatch
     on the whole batch."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from jaxtron.parallel.sharding import current_context, devices_are_cpu
-
     ctx = current_context()
     if ctx is None or ctx[1] is None:
         return plain()
@@ -148,9 +148,6 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
 def _pack(x, experts, local_experts: int, ep: int, cap: int):
     """Steps 1-2 of the module doc for tokens x [t, D]: (send buffer [EP*C, D], slot expert ids, each
     assignment's slot, kept mask), assignments in choice-major order."""
-    import jax
-    import jax.numpy as jnp
-
     t, d = x.shape
     k = experts.shape[-1]
     flat = experts.reshape(t, k).T.reshape(-1)                               # all first choices, then second...
@@ -169,8 +166,6 @@ def _pack(x, experts, local_experts: int, ep: int, cap: int):
 def _combine(out, slot, kept, weights, dtype):
     """Step 5: each assignment's returned row (zeros where dropped) times its routing weight, summed per
     token; returns ([t, D] in ``dtype``, dropped count)."""
-    import jax.numpy as jnp
-
     t, k = weights.shape
     y = out.at[slot].get(mode="fill", fill_value=0)
     w = weights.T.reshape(-1)[:, None]                                       # choice-major, as the slots
@@ -185,9 +180,6 @@ def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int, 
     exchange tied with ``optimization_barrier`` to the other half's experts (the second half's dispatch to
     the first half's experts, the first half's return to the second half's), so that XLA's scheduler runs
     the transfer while those matmuls run instead of waiting for it."""
-    import jax
-    import jax.numpy as jnp
-
     b, s, d = x.shape
     t = b * s
     local_experts = local_weights[0].shape[0]
@@ -211,16 +203,12 @@ def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int, 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """``jax.lax.ragged_all_to_all`` (GPU); the CPU tests put an all_gather emulation of its semantics here."""
-    import jax
-
     return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                      axis_name=axis_name)
 
 
 def _local(x, experts, weights, local_weights, ffn):
     """Without expert parallelism: one device's tokens x [b, s, D] through every expert (dropless)."""
-    import jax.numpy as jnp
-
     b, s, d = x.shape
     t, k = b * s, experts.shape[-1]
     rows = jnp.take(x.reshape(t, d), jnp.arange(t * k) // k, axis=0)        # assignment a: token a // k
@@ -232,8 +220,6 @@ def _local(x, experts, weights, local_weights, ffn):
 def _run_experts(rows, row_ids, local_weights, ffn):
     """Received rows (slot ids: local expert, or ``local_experts`` for an empty slot) through the grouped
     matmuls, returned in the order they came."""
-    import jax.numpy as jnp
-
     local_experts = local_weights[0].shape[0]
     order = jnp.argsort(row_ids, stable=True)
     group_sizes = jnp.bincount(row_ids, length=local_experts + 1)[:local_experts].astype(jnp.int32)
@@ -249,9 +235,6 @@ def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int, row
     and receive roles swapped. A receiver fills its buffer in sender rank order: the rows past it (the tail of
     the last senders' chunks, i.e. their highest local experts) are not sent, contribute zeros and are
     counted as dropped."""
-    import jax
-    import jax.numpy as jnp
-
     b, s, d = x.shape
     t, k = b * s, experts.shape[-1]
     local_experts = local_weights[0].shape[0]

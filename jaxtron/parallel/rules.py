@@ -22,6 +22,7 @@ which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) paralle
 from __future__ import annotations
 
 from jaxtron.config.schema import ParallelConfig
+from jaxtron.parallel.axes import BATCH_SPLIT
 
 Rules = tuple[tuple[str, object], ...]
 
@@ -45,7 +46,7 @@ _PARAM_RULES: Rules = (
 
 # Activation axes.
 _ACTIVATION_RULES: Rules = (
-    ("act_batch", ("data", "fsdp", "expert")),
+    ("act_batch", BATCH_SPLIT),  # the Layout's data-parallel size is these axes' product
     ("act_seq", "context"),
 
     ("act_embed", None),
