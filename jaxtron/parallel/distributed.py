@@ -20,6 +20,7 @@ from typing import Optional
 
 from jaxtron.config import Config, ConfigError
 from jaxtron.parallel import kubernetes
+from jaxtron.parallel.watchdog import EXIT_PEER_LOST, PeerWatchdog
 
 log = logging.getLogger("jaxtron")
 
@@ -231,8 +232,6 @@ def _start_watchdog(timeout: float) -> None:
     import jax
     from jax._src import distributed as jax_distributed  # the client of the coordination service
 
-    from jaxtron.parallel.watchdog import PeerWatchdog
-
     client = jax_distributed.global_state.client
     if client is None or jax.process_count() == 1:
         return
@@ -248,8 +247,6 @@ def _exit_now(status: int) -> None:
 def exit_lost_peer(message: str) -> None:
     """End this process now with one ``error:`` line (exit status 75), telling the others first."""
     import sys
-
-    from jaxtron.parallel.watchdog import EXIT_PEER_LOST
 
     report_failure(message)
     sys.stderr.write(f"error: {message}\n")
