@@ -110,10 +110,13 @@ def _block_after(text: str, heading: str) -> str:
     return re.search(re.escape(heading) + r".*?```\n(.*?)```", text, re.S).group(1)
 
 
-def test_every_page_is_in_the_index():
+def test_every_page_is_in_the_index_and_the_readme():
     index = _read(os.path.join(DOCS, "index.md"))
     missing = [p for p in PAGES if p != "index.md" and f"]({p})" not in index]
     assert not missing, f"docs/index.md's table of pages lacks {missing}"
+    readme = _read(os.path.join(REPO, "README.md")).split("## Documentation")[1].split("\n## ")[0]
+    missing = [p for p in PAGES if f"](docs/{p})" not in readme]
+    assert not missing, f"README's Documentation section lacks {missing}"
 
 
 def test_every_preset_is_listed():
