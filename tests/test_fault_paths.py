@@ -230,3 +230,23 @@ def test_import_jaxtron_then_jax_is_quiet_without_a_gpu():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "cpu", proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]
+
+
+def test_evaluate_splits_the_windows_over_every_device(bpe_sized_import):
+    import numpy as np
+
+    from jaxtron import evaluate as ev
+    from jaxtron import preflight
+    from jaxtron.convert.loading import load_for_inference
+
+    model = load_for_inference(bpe_sized_import, "float32").model
+    tokens = np.random.default_rng(0).integers(0, 400, 16 * 11 + 1)
+    alone = ev.evaluate(model, ev.windows_from_tokens(tokens, 16, 3))
+    layout = preflight.inference_layout(model.cfg, ["parallel.data=-1"])
+    assert layout.dp == len(jax.devices()) == 8
+    seen = []
+    spread = ev.evaluate(layout.place(model), ev.windows_from_tokens(tokens, 16, 3), layout=layout,
+                         progress=lambda *a: seen.append(a))
+    assert spread["tokens"] == alone["tokens"] == 16 * 11 and spread["batches"] == 4  # 3 + 3 + 3 + 2 windows
+    np.testing.assert_allclose(spread["loss"], alone["loss"], rtol=1e-5)
+    assert [a[0] for a in seen] == [1, 2, 3, 4]

@@ -21,16 +21,19 @@ from jaxtron.jax_startup import import_jax
 
 import_jax()  # before this package imports JAX: quiet on a machine without a GPU
 
+import contextlib
 import math
 import os
 import sys
 import types
 from typing import Callable, Iterable, Iterator, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtron.parallel.stages import BATCH_AXES
 from jaxtron.train.loss import cross_entropy_sums
 
 __all__ = ["evaluate", "windows_from_tokens", "token_stream", "indexed_tokens", "text_tokens", "num_batches"]
@@ -54,29 +57,36 @@ def _as_batch(batch):
     return w[:, :-1], w[:, 1:], np.ones((w.shape[0], w.shape[1] - 1), np.float32)
 
 
-def evaluate(model, batches: Iterable, progress: Optional[Callable[[int, int, float], None]] = None) -> dict:
+def evaluate(model, batches: Iterable, progress: Optional[Callable[[int, int, float], None]] = None,
+             layout=None) -> dict:
     """Mean token loss and perplexity of ``model`` over ``batches``: each batch is an array of windows
     ``[batch, seq_len + 1]`` (all tokens scored) or a dict with ``inputs``, ``targets`` ``[batch, seq_len]``
     and optionally ``loss_mask``. A batch smaller than the first is padded (masked out) to its size, so one
     compiled program serves all. ``progress(batches_done, tokens_scored, mean_loss_so_far)`` is called after
-    each batch. Returns ``{"loss", "perplexity", "tokens", "batches"}``."""
+    each batch. ``layout`` (a :class:`jaxtron.parallel.layout.Layout`, the model placed on it by
+    ``layout.place``, e.g. ``jaxtron.preflight.inference_layout(cfg, ["parallel.data=-1"])``): the batches are
+    split over its data-parallel devices (padded, masked, to a multiple of them). Returns ``{"loss",
+    "perplexity", "tokens", "batches"}``."""
     vocab = model.cfg.vocab_size
+    dp = layout.dp if layout is not None else 1
+    put = jnp.asarray if layout is None else (lambda x: jax.device_put(x, layout.sharding(BATCH_AXES)))
     total, count, n, shape = 0.0, 0.0, 0, None
     for batch in batches:
         inputs, targets, mask = _as_batch(batch)
         if inputs.size and (min(inputs.min(), targets.min()) < 0 or max(inputs.max(), targets.max()) >= vocab):
             raise ValueError(f"evaluate: token ids outside the model's vocabulary [0, {vocab})")
         if shape is None:
-            shape = inputs.shape
-        elif inputs.shape != shape:
+            shape = (-(-inputs.shape[0] // dp) * dp, inputs.shape[1])
+        if inputs.shape != shape:
             if inputs.shape[1] != shape[1] or inputs.shape[0] > shape[0]:
                 raise ValueError(f"evaluate: batch of shape {inputs.shape} after batches of {shape}")
             pad = shape[0] - inputs.shape[0]
             inputs = np.concatenate([inputs, np.zeros((pad, shape[1]), inputs.dtype)])
             targets = np.concatenate([targets, np.zeros((pad, shape[1]), targets.dtype)])
             mask = np.concatenate([mask, np.zeros((pad, shape[1]), np.float32)])
-        ce, c = _loss_sums(model, jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32),
-                           jnp.asarray(mask, jnp.float32))
+        with layout.tracing() if layout is not None else contextlib.nullcontext():
+            ce, c = _loss_sums(model, put(inputs.astype(np.int32)), put(targets.astype(np.int32)),
+                               put(mask.astype(np.float32)))
         total += float(ce)
         count += float(c)
         n += 1
