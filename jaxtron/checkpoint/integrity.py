@@ -117,6 +117,18 @@ def shard_jobs(item_dir: str, index_path: str) -> list[tuple[str, int, Optional[
         raise CheckpointReadError(f"{index_path}: unreadable index ({type(err).__name__}: {err})") from None
 
 
+def leaf_files(step_dir: str, item: str, key: str) -> list[str]:
+    """The shard files of array ``key`` (as the index names it, e.g. ``['embed']``) of ``item`` in a step."""
+    files = []
+    item_dir = os.path.join(step_dir, item)
+    for index_path in _index_files(item_dir):
+        try:
+            files += [path for path, _, _, leaf in shard_jobs(item_dir, index_path) if leaf == key]
+        except CheckpointReadError:
+            continue
+    return files
+
+
 def check_files(jobs: Iterable[tuple[str, int, Optional[str], str]], threads: int = 4,
                 step: Optional[int] = None) -> list[str]:
     """Problems with the given shard files (see :func:`check_file`), in file order."""

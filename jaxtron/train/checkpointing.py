@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from jaxtron import config as config_lib
-from jaxtron.checkpoint import CheckpointError, Checkpointer, load_params, nonfinite_leaves
+from jaxtron.checkpoint import CheckpointError, Checkpointer, integrity, load_params, nonfinite_leaves
 from jaxtron.checkpoint.manager import CheckpointMismatch
 from jaxtron.config import Config
 from jaxtron.data import tokenizer_record
@@ -178,8 +178,11 @@ class Checkpointing:
         bad = nonfinite_leaves({"params": state["params"], "opt_state": state["opt_state"]})
         if bad:
             ckpt.good.discard(step)
+            item, _, key = bad[0][2:].partition("']")  # "['params']['embed']": item params, array ['embed']
+            files = integrity.leaf_files(ckpt.step_dir(step), item, key)
             raise CheckpointError(f"checkpoint step {step} in {ckpt.directory}: non-finite values (NaN or Inf) in "
-                                  f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
+                                  f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}"
+                                  + (f" (the first in {files[0]})" if files else ""))
         return Restored(state, step, meta)
 
     def _save(self, ckpt: Checkpointer, step: int, state: dict, skipped: dict, meta: dict) -> bool:
