@@ -212,6 +212,9 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = _f("adamw", "'adamw', or 'muon': Newton-Schulz orthogonalised momentum for the hidden weight "
+                            "matrices (per layer, per expert), AdamW (beta1, beta2, eps) for embeddings, LM head, "
+                            "router, norms and biases; see docs/optimizers.md.")
     lr: float = _f(1e-3, "Peak learning rate.")
     min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr.")
     schedule: str = _f("cosine", "'cosine' (warmup + cosine), 'linear' (warmup + linear), 'wsd' or 'constant'.")
@@ -224,6 +227,12 @@ class OptimConfig:
     weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to norms and biases).")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
     z_loss: float = _f(0.0, "Coefficient of the z-loss (logsumexp^2) added to the loss.")
+    muon_beta: float = _f(0.95, "muon: momentum decay of the orthogonalised matrices.")
+    muon_nesterov: bool = _f(True, "muon: Nesterov momentum.")
+    muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations (quintic, Keller Jordan's coefficients).")
+    muon_rms: float = _f(0.2, "muon: scale each orthogonalised update by muon_rms * sqrt(max(fan_in, fan_out)) "
+                              "(Moonshot's RMS matching, so AdamW's lr and weight decay carry over); 0: Keller "
+                              "Jordan's sqrt(max(1, fan_out / fan_in)) instead.")
 
 
 @dataclass

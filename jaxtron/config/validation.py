@@ -19,6 +19,7 @@ FP8_BLOCKWISE_IMPLS = ("auto", "xla", "pallas")
 KERNEL_IMPLS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
+OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_SCORE_FUNCS = ("softmax", "sigmoid")
 MOE_DISPATCH = ("dropless", "capacity")
@@ -135,6 +136,7 @@ def _validate_moe(cfg: Config) -> None:
 
 def _validate_optim(cfg: Config) -> None:
     o = cfg.optim
+    _one_of(cfg, "optim.name", OPTIMIZERS)
     _positive(cfg, "optim.lr")
     # an lr past float32's range becomes inf in the step (1e39 did, with numpy overflow warnings); even 10 is
     # far beyond any optimizer's stable range
@@ -145,9 +147,11 @@ def _validate_optim(cfg: Config) -> None:
     check(o.decay_steps is None or o.decay_steps >= 0, "optim.decay_steps", f"must be >= 0, got {o.decay_steps}")
     check(0.0 <= o.beta1 < 1.0, "optim.beta1", f"must be in [0, 1), got {o.beta1}")
     check(0.0 <= o.beta2 < 1.0, "optim.beta2", f"must be in [0, 1), got {o.beta2}")
-    for name in ("weight_decay", "grad_clip", "z_loss"):
+    for name in ("weight_decay", "grad_clip", "z_loss", "muon_rms"):
         v = getattr(o, name)
         check(v >= 0, f"optim.{name}", f"must be >= 0, got {v}")
+    check(0.0 <= o.muon_beta < 1.0, "optim.muon_beta", f"must be in [0, 1), got {o.muon_beta}")
+    check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", f"must be >= 1, got {o.muon_ns_steps}")
 
 
 def _validate_data(cfg: Config) -> None:

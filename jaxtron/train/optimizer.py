@@ -1,12 +1,15 @@
-"""AdamW with warmup + cosine / linear / warmup-stable-decay schedules, global-norm clipping, and no weight
-decay on norms and biases."""
+"""AdamW (or Muon, :mod:`jaxtron.train.muon`) with warmup + cosine / linear / warmup-stable-decay schedules,
+global-norm clipping, and no weight decay on norms and biases."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import optax
 
 from jaxtron.config import OptimConfig
+from jaxtron.train.muon import muon
 
 # RMSNorm scales, QKV biases, and MoE's aux-free expert bias (moved by the train step, not by the optimizer:
 # its gradient is zero, so without decay AdamW leaves it exactly as it is)
@@ -43,11 +46,19 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(o: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(o: OptimConfig, total_steps: int,
+                   names: Optional[dict] = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer of ``optim`` and its schedule. Muon needs ``names``, the params' logical axis names
+    (:func:`jaxtron.train.state.param_names`), to tell the hidden matrices and their fan-in/out axes."""
     schedule = learning_rate_schedule(o, total_steps)
     parts = []
     if o.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(o.grad_clip))
-    parts.append(optax.adamw(schedule, b1=o.beta1, b2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
-                             mask=decay_mask))
+    adam = optax.adamw(schedule, b1=o.beta1, b2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    if o.name == "muon":
+        if names is None:
+            raise ValueError("optim.name=muon: make_optimizer needs the params' logical names")
+        parts.append(muon(o, schedule, names, adam))
+    else:
+        parts.append(adam)
     return optax.chain(*parts), schedule

@@ -17,7 +17,7 @@ from jaxtron import preflight
 from jaxtron.config import Config
 from jaxtron.parallel.layout import Layout
 from jaxtron.train.optimizer import make_optimizer
-from jaxtron.train.state import ModelSpec, abstract_train_state
+from jaxtron.train.state import ModelSpec, abstract_train_state, param_names
 from jaxtron.train.step import BATCH_KEYS, batch_sharding, make_eval_step, make_gradients, make_train_step
 
 
@@ -58,7 +58,8 @@ def build_program(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *
     devices = tuple(devices if devices is not None else jax.devices())
     layout = Layout.build(cfg, list(devices))
     preflight.check(cfg, layout)
-    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    names = param_names(cfg) if cfg.optim.name == "muon" else None  # Muon tells the matrices by their axes
+    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, names)
     spec = abstract_train_state(cfg, tx, layout)
     return Program(cfg=cfg, devices=devices, layout=layout, tx=tx, schedule=schedule, spec=spec,
                    train_step=make_train_step(cfg, spec, tx, schedule, layout, loss_fn=loss_fn),

@@ -16,7 +16,7 @@ from jaxtron.config import Config
 from jaxtron.model.llama import Llama
 from jaxtron.model.fp8 import Histories
 from jaxtron.parallel.layout import Layout
-from jaxtron.parallel.sharding import param_shardings
+from jaxtron.parallel.sharding import logical_names, param_shardings
 
 
 @dataclass
@@ -35,6 +35,11 @@ def model_factory(cfg: Config):
     return lambda: Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
 
 
+def param_names(cfg: Config) -> dict:
+    """The logical axis names (PartitionSpecs of names) of each parameter, in the layout of the params' dict."""
+    return logical_names(nnx.split(nnx.eval_shape(model_factory(cfg)))[1])
+
+
 def _abstract_model(cfg: Config, layout: Layout):
     """(graphdef, make, NamedShardings of the params, abstract variables) of the model ``cfg`` describes, on
     ``layout``'s mesh."""
@@ -43,6 +48,26 @@ def _abstract_model(cfg: Config, layout: Layout):
         abstract_model = nnx.eval_shape(make)
     graphdef, abstract_vars = nnx.split(abstract_model)
     return graphdef, make, param_shardings(abstract_vars, layout.mesh, layout.rules), abstract_vars
+
+
+def opt_state_shardings(opt_state, params: dict, p_sh: dict, other):
+    """Each optimizer-state leaf that mirrors a parameter (a moment: the leaf under the same dict keys, of the
+    same shape) is sharded as the parameter; the rest (counts, coefficients) take ``other``. Matched by key path
+    rather than optax.tree_map_params, which cannot see through the masked subtrees of optax.partition."""
+    by_path = {}
+    for (path, p), sh in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(p_sh)):
+        by_path[tuple(k.key for k in path)] = (p.shape, sh)
+
+    def pick(path, leaf):
+        keys = []
+        for k in reversed(path):
+            if not isinstance(k, jax.tree_util.DictKey):
+                break
+            keys.insert(0, k.key)
+        shape, sh = by_path.get(tuple(keys), (None, other))
+        return sh if shape == leaf.shape else other
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
 
 
 def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, layout: Layout) -> ModelSpec:
@@ -56,8 +81,7 @@ def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, layout: 
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     abstract = jax.eval_shape(init)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], p_sh,
-                                   transform_non_params=lambda _: replicated)
+    opt_sh = opt_state_shardings(abstract["opt_state"], abstract["params"], p_sh, replicated)
     shardings = {"step": replicated, "params": p_sh, "opt_state": opt_sh}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return ModelSpec(graphdef, p_sh, shardings, abstract, init, Histories.of(abstract_vars))
