@@ -31,7 +31,7 @@ def saved(tmp_path_factory):
     ckpt = Checkpointer(str(directory), async_save=False)
     try:
         assert ckpt.save(STEP, _state(), {"data": {"next_step": STEP}})
-        ckpt.save_params(WEIGHTS, _state()["params"], {"tokenizer": None})
+        ckpt.save_params(WEIGHTS, _state()["params"], {"source": "hf"})  # as import-hf writes them
     finally:
         ckpt.close()
     return directory
@@ -78,6 +78,17 @@ def test_a_missing_item_fails_verify_and_restore_naming_it(ckpt_dir, capsys, ite
         errors
     with pytest.raises(CheckpointError, match=f"^{missing}: missing \\(checkpoint step {STEP}\\)$"):
         _restore(ckpt_dir)
+
+
+def test_without_orbax_step_records_the_meta_decides_what_a_step_needs(ckpt_dir, capsys):
+    for step in (STEP, WEIGHTS):
+        os.remove(ckpt_dir / str(step) / "_CHECKPOINT_METADATA")
+    rc, out, errors = _verify(ckpt_dir, capsys)
+    assert rc == 0 and not errors and "weights only" in out, (out, errors)
+    shutil.rmtree(ckpt_dir / str(STEP) / "opt_state")
+    rc, _, errors = _verify(ckpt_dir, capsys)
+    assert rc == 1 and errors == [f"error: {ckpt_dir / str(STEP) / 'opt_state'}: missing (step {STEP} is a "
+                                  "training step; resuming needs it)"], errors
 
 
 def test_a_weights_only_step_does_not_resume(ckpt_dir):

@@ -161,13 +161,15 @@ def verify_step(step_dir: str, threads: int = 4) -> tuple[list[str], list[str]]:
     meta, problem = read_meta(os.path.join(step_dir, "meta"), step)
     if problem:
         problems.append(problem)
-    if saved is None:  # no readable record: a step with training state in its meta needs the optimizer state
-        trained = "opt_state" in items or (isinstance(meta, dict) and "data" in meta)
+    how = "was saved with it"
+    if saved is None:  # no readable record: only import-hf (meta source "hf") writes weights-only steps
+        trained = "opt_state" in items or not (isinstance(meta, dict) and meta.get("source") == "hf")
         saved = RESUME_ITEMS if trained else WEIGHTS_ITEMS
+        how = "is a training step" if trained else "is an imported model"
     for item in saved:
         if item not in items:
             why = "resuming needs it" if "opt_state" in saved else "loading its weights needs it"
-            problems.append(f"{os.path.join(step_dir, item)}: missing (step {step} was saved with it; {why})")
+            problems.append(f"{os.path.join(step_dir, item)}: missing (step {step} {how}; {why})")
     if "opt_state" not in saved and "params" in items:
         notes.append(f"{step_dir}: weights only (no optimizer state): it loads with checkpoint.load_weights "
                      "but cannot resume a training run")
