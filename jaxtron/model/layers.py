@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, head_dim
-from jaxtron.model import fp8, kernels
+from jaxtron.model import fp8, kernels, remat
 from jaxtron.model.attention import attention, cached_attention, xla_attention
 from jaxtron.model.cache import CACHE_NAMES, LayerCache
 from jaxtron.parallel import ring_attention
@@ -114,6 +114,7 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        q, k, v = (remat.tag(a, name) for a, name in zip((q, k, v), remat.QKV))
         if self.cfg.qk_norm:  # before RoPE, as Qwen3; the KV cache then holds normalized, rotated keys
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.rope_impl == "pallas":
@@ -137,8 +138,8 @@ class Attention(nnx.Module):
         else:
             out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
                             deterministic=self.cfg.deterministic_attention)
-        out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        return self.recipe.project(self, "wo", "bshk,hkd->bsd", out)
+        out = remat.tag(constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim")), remat.ATTENTION_OUT)
+        return remat.tag(self.recipe.project(self, "wo", "bshk,hkd->bsd", out), remat.OUT_PROJ)
 
     def _attend_cache(self, q, k, v, cache: LayerCache):
         dt = q.dtype

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, compute_dtype
+from jaxtron.model import remat
 from jaxtron.model.cache import KVCache, LayerCache, cache_mask
 from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
 from jaxtron.model.moe import MoE
@@ -35,11 +36,6 @@ from jaxtron.model.projection import project
 from jaxtron.parallel.sharding import constrain
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 class DecoderBlock(nnx.Module):
@@ -55,8 +51,9 @@ class DecoderBlock(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if moe else SwiGLU(cfg, rngs=rngs)
 
     def _ffn(self, x):
-        out = self.mlp(self.mlp_norm(x))
-        return out if self.is_moe else (out, None)
+        out = self.mlp(remat.tag(self.mlp_norm(x), remat.MLP_IN))
+        y, stats = out if self.is_moe else (out, None)
+        return remat.tag(y, remat.MLP_OUT), stats
 
     def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
         if cache is not None:  # decoding: the same block, its attention reading and writing the KV cache
@@ -203,7 +200,7 @@ class Llama(nnx.Module):
             return out if isinstance(out, tuple) else (out, None)
 
         if self.cfg.remat != "none":
-            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            block = jax.checkpoint(block, policy=remat.POLICIES[self.cfg.remat], prevent_cse=False)
         return jax.lax.scan(block, x, state, unroll=self.cfg.scan_unroll)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, index, start: jax.Array

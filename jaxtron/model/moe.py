@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig
-from jaxtron.model import fp8, kernels, routing
+from jaxtron.model import fp8, kernels, remat, routing
 from jaxtron.model.layers import SwiGLU, param
 from jaxtron.model.projection import project
 from jaxtron.parallel import expert as expert_parallel
@@ -133,7 +133,7 @@ class MoE(nnx.Module):
         bias = self.expert_bias[...] if self.moe.aux_free_bias else None
         # The scopes name these ops in the compiled HLO, where the planner (jaxtron/plan/moe.py) finds them.
         with jax.named_scope("moe_router"):
-            r = routing.route(tokens, self.router[...], self.moe, bias)
+            r = remat.tag(routing.route(tokens, self.router[...], self.moe, bias), remat.ROUTER)
         w = [p[...] for p in (self.w_gate, self.w_up, self.w_down)]  # cast where they are used (_dropless)
         with jax.named_scope("moe_experts"):
             if self.moe.dispatch == "capacity":
