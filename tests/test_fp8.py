@@ -234,6 +234,19 @@ def test_histories_are_found_by_variable_type():
     assert set(fresh) == set(a) and float(jnp.abs(fresh["w_amax"]).max()) == 0.0 and fresh["w"] is a["w"]
 
 
+def test_start_up_log_names_the_recipe_and_says_it_is_emulated_on_cpu(caplog, monkeypatch):
+    import logging
+
+    from jaxtron.train.trainer import Trainer
+
+    trainer = Trainer(_delayed(), jax.devices()[:1])
+    monkeypatch.setattr(logging.getLogger("jaxtron"), "propagate", True)  # run() may have set its own handler
+    with caplog.at_level("INFO", logger="jaxtron"):
+        trainer.log_summary()
+    assert ("FP8 matmuls: model.fp8=delayed (tensorwise delayed scaling, 3-step amax history, margin 0); "
+            "emulated on CPU") in caplog.text
+
+
 def _histories(state):
     from jaxtron.model.fp8 import HISTORY_SUFFIX
 
