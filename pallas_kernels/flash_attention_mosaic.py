@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._common import cdiv
+from .flash_attention_mosaic_bwd import bwd_smem_bytes
 from .mosaic_helpers import (COMPUTE_WGS, SPAN_WIDTH, TILED, col_of, kv_producer, kv_visibility, mma_into,
                              mosaic_interpret_params, over_kv_blocks, query_tile_kv_blocks, row_of, span_rows)
 
@@ -103,8 +104,6 @@ def check_mosaic(*, head_dim: int, dtype, segment_ids, sliding_window, block_q: 
         raise ValueError(f"flash_attention(backend='mosaic'): block_q={block_q}, block_k={block_kv}, "
                          f"num_stages={max_steps} at head_dim {head_dim} need {need} bytes of shared memory "
                          f"(H100: {_SMEM_BYTES}); lower block_k or num_stages")
-    from .flash_attention_mosaic_bwd import bwd_smem_bytes
-
     need = bwd_smem_bytes(head_dim, block_q_bwd, block_kv_bwd, slots_bwd, jnp.dtype(dtype).itemsize, interpret,
                           fuse_dq)
     if need > _SMEM_BYTES:

@@ -174,12 +174,11 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def _same_package(importer: str, target: str) -> bool:
-    return importer.rsplit(".", 1)[0] == target.rsplit(".", 1)[0]
-
-
-def _is_private_module(target: str) -> bool:
-    return _private(target.rsplit(".", 1)[-1])
+def _sibling_private(importer: Module, target: str) -> bool:
+    """Whether ``target`` is a private module (``_common``) of the package ``importer`` belongs to."""
+    package = importer.name if importer.is_package else importer.name.rsplit(".", 1)[0]
+    parent, _, last = target.rpartition(".")
+    return _private(last) and parent == package
 
 
 def private_imports(modules) -> list[str]:
@@ -188,13 +187,14 @@ def private_imports(modules) -> list[str]:
         root = _root_of(module)
         bound = {}  # local name -> jaxtron module it stands for
         for node, target, attr, local in imports(module, modules):
-            allowed = _is_private_module(target) and _same_package(name, target)
-            if attr is None and _is_private_module(target) and not _same_package(name, target):
+            sibling = _sibling_private(module, target)
+            if attr is None and _private(target.rsplit(".", 1)[-1]) and not sibling:
                 out.append(f"{module.where(node, root)} imports the private module {target}")
-            if attr is not None and _private(attr) and not allowed:
+            if attr is not None and _private(attr) and not sibling:
                 out.append(f"{module.where(node, root)} imports {attr} from {target}")
-            if attr is None:
-                bound[local or target.split(".")[0]] = target if local else target.split(".")[0]
+            if attr is None:  # `import a.b` binds `a`; `import a.b as x` and `from a import b` bind the module
+                head = target.split(".")[0]
+                bound[local or head] = target if local else head
         for node in ast.walk(module.tree):
             if isinstance(node, ast.Attribute):
                 chain = []
@@ -209,8 +209,7 @@ def private_imports(modules) -> list[str]:
                     if f"{current}.{attr}" in modules:
                         current = f"{current}.{attr}"
                         continue
-                    if _private(attr) and current != name and not (
-                            _is_private_module(current) and _same_package(name, current)):
+                    if _private(attr) and current != name and not _sibling_private(module, current):
                         out.append(f"{module.where(node, root)} uses {current}.{attr}")
                     break
     return sorted(set(out))

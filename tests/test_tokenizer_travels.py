@@ -135,7 +135,7 @@ def test_checkpoint_records_and_generate_uses_it(bpe, trained, capsys):
 
 
 def test_old_checkpoint_defaults_to_byte_with_a_warning():
-    from jaxtron.generate import checkpoint_tokenizer
+    from jaxtron.convert.loading import checkpoint_tokenizer
 
     tok, note = checkpoint_tokenizer("ckpt", "jaxtron", {}, "ckpt")
     assert tok.kind == "byte" and "records no tokenizer" in note and "byte" in note

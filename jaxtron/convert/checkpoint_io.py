@@ -21,6 +21,8 @@ from typing import Any, Optional
 import yaml
 
 from jaxtron import config as config_lib
+from jaxtron.checkpoint import Checkpointer, resolve_weights_path
+from jaxtron.convert import hf
 from jaxtron.convert.hf import tokenizer as hf_tokenizer
 from jaxtron.convert.model_tree import abstract_model, model_from_params
 from jaxtron.data import tokenizer_record
@@ -51,9 +53,6 @@ def parse_size(text: str) -> int:
 def import_hf(hf_dir: str, out: str, dtype: str = "float32") -> config_lib.Config:
     """Write the HF folder ``hf_dir`` as a weights-only jaxtron checkpoint in ``out`` (step 0) plus
     ``out/config.yaml``; the weights are stored in ``dtype`` (the config's ``model.param_dtype``)."""
-    from jaxtron.checkpoint import Checkpointer
-    from jaxtron.convert import hf
-
     hf_dir = os.path.abspath(hf_dir)
     out = os.path.abspath(out)
     if not os.path.isdir(hf_dir):
@@ -124,8 +123,6 @@ def read_checkpoint(path: str) -> tuple[config_lib.Config, Any, dict, str]:
     from flax import nnx
     from jax.sharding import SingleDeviceSharding
 
-    from jaxtron.checkpoint import Checkpointer, resolve_weights_path
-
     if not os.path.exists(path):
         raise ValueError(f"--checkpoint: {os.path.abspath(path)} does not exist")
     directory, step = resolve_weights_path(path, "--checkpoint")
@@ -146,8 +143,6 @@ def read_checkpoint(path: str) -> tuple[config_lib.Config, Any, dict, str]:
 
 def export_hf(path: str, out: str, dtype: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> str:
     """Write the checkpoint at ``path`` as a Hugging Face folder ``out``; returns the step directory read."""
-    from jaxtron.convert import hf
-
     out = os.path.abspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out} exists and is not a directory")

@@ -25,6 +25,7 @@ import os
 import shutil
 from typing import Optional
 
+from jaxtron.config import ConfigError
 from jaxtron.data.tokenizers import BYTE_EOD, TokenizerError, load_tokenizer
 
 log = logging.getLogger("jaxtron")
@@ -183,8 +184,6 @@ def load_recorded(directory: str, rec: dict, where: str):
 def run_record(data_cfg, vocab_size: Optional[int] = None) -> dict:
     """The record of a run's ``data.tokenizer``; ConfigError naming the field when it cannot be loaded or has
     more ids than ``model.vocab_size``."""
-    from jaxtron.config import ConfigError
-
     try:
         rec = record_for(data_cfg.tokenizer)
     except (TokenizerError, OSError) as err:
@@ -200,8 +199,6 @@ def check_match(run: dict, other: Optional[dict], what: str, allow: bool, field:
     the data, a checkpoint) is another tokenizer than ``run`` (``data.tokenizer``); with ``allow``
     (``data.allow_tokenizer_mismatch``) only warn. A missing record (old data or checkpoint) warns and
     assumes ``run``."""
-    from jaxtron.config import ConfigError
-
     if other is None:
         log.warning("%s records no tokenizer (made by Megatron or an older jaxtron); assuming data.tokenizer=%s",
                     what, describe(run))

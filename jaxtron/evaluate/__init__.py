@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtron.data.indexed import IndexedDataset, bin_path, idx_path
 from jaxtron.parallel.stages import BATCH_AXES
 from jaxtron.train.loss import cross_entropy_sums
 
@@ -131,8 +132,6 @@ def windows_from_tokens(tokens, seq_len: int, batch_size: int, max_batches: Opti
 
 def indexed_tokens(prefix: str) -> Iterator[np.ndarray]:
     """The sequences of a Megatron ``.bin/.idx`` prefix, in order (lazily, from the memory map)."""
-    from jaxtron.data.indexed import IndexedDataset
-
     ds = IndexedDataset(prefix)
     for i in range(len(ds)):
         yield ds.get(i)
@@ -154,8 +153,6 @@ def text_tokens(path: str, tokenizer) -> np.ndarray:
 def data_kind(data: str) -> tuple[str, str]:
     """('indexed', prefix) for a ``.bin/.idx`` prefix (given with or without the suffix), ('text', path) for
     any other existing file; ValueError otherwise."""
-    from jaxtron.data.indexed import bin_path, idx_path
-
     prefix = data[:-4] if data.endswith((".bin", ".idx")) else data
     if os.path.isfile(idx_path(prefix)) or os.path.isfile(bin_path(prefix)):
         for p in (idx_path(prefix), bin_path(prefix)):

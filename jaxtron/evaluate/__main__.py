@@ -18,6 +18,7 @@ token loss and the perplexity exp(loss). The windows of a batch are split over e
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -84,8 +85,7 @@ def main(argv=None) -> int:
     from jaxtron.checkpoint import CheckpointError
     from jaxtron.config import ConfigError
     from jaxtron import evaluate as ev
-    from jaxtron import generate as gen
-    from jaxtron.convert.loading import load_for_inference
+    from jaxtron.convert.loading import check_tokenizer_fits, checkpoint_tokenizer, load_for_inference
     from jaxtron.data import tokenizer_record
 
     try:
@@ -108,11 +108,11 @@ def main(argv=None) -> int:
             from jaxtron.data.indexed import IndexedDataset
             total_tokens = IndexedDataset(source).num_tokens
         else:
-            tok, note = gen.checkpoint_tokenizer(args.checkpoint, loaded.kind, loaded.meta, loaded.directory,
-                                                 args.tokenizer)
+            tok, note = checkpoint_tokenizer(args.checkpoint, loaded.kind, loaded.meta, loaded.directory,
+                                             args.tokenizer)
             if note:
                 print(f"warning: {note}", file=sys.stderr)
-            gen.check_tokenizer_fits(tok, cfg.vocab_size)
+            check_tokenizer_fits(tok, cfg.vocab_size)
             tokens = ev.text_tokens(source, tok)
             total_tokens = len(tokens)
         total = ev.num_batches(total_tokens, seq_len, args.batch_size, args.max_batches)
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         return 2
     result = {**result, "data": args.data, "seq_len": seq_len}
     if args.json:
-        print(gen.to_json(result))
+        print(json.dumps(result, ensure_ascii=False))
     else:
         print(f"loss: {result['loss']:.6f}")
         print(f"perplexity: {result['perplexity']:.6f}")

@@ -33,7 +33,6 @@ import_jax()  # before this package imports JAX: quiet on a machine without a GP
 import contextlib
 import functools
 import json
-import os
 import sys
 import types
 from typing import NamedTuple, Optional
@@ -45,8 +44,7 @@ from flax import nnx
 
 from jaxtron.model.cache import init_cache
 
-__all__ = ["generate", "generate_no_cache", "GenerateOutput", "nucleus_mask", "sample_logits",
-           "default_tokenizer", "checkpoint_tokenizer", "decode_known"]
+__all__ = ["generate", "generate_no_cache", "GenerateOutput", "nucleus_mask", "sample_logits", "decode_known"]
 
 
 class GenerateOutput(NamedTuple):
@@ -201,66 +199,6 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, temperature: float = 
 def generate_no_cache(model, prompt_tokens, **kwargs) -> GenerateOutput:
     """:func:`generate` recomputing the full training forward at every step (no KV cache); for testing."""
     return generate(model, prompt_tokens, use_cache=False, **kwargs)
-
-
-# ============================================================================================ loading
-
-
-def default_tokenizer(path: str, kind: str, spec: Optional[str] = None):
-    """The tokenizer ``spec`` names (``byte``, a tokenizer.json, a SentencePiece .model); by default the one
-    the checkpoint records (see :func:`checkpoint_tokenizer`; a warning is logged where it says one)."""
-    meta, directory = {}, path
-    if kind != "hf" and spec is None:
-        from jaxtron.checkpoint import Checkpointer, resolve_weights_path
-
-        directory, step = resolve_weights_path(path, "--checkpoint")
-        ckpt = Checkpointer(directory, read_only=True)
-        try:
-            meta = ckpt.restore_meta(step)
-        finally:
-            ckpt.close()
-    tok, note = checkpoint_tokenizer(path, kind, meta, directory, spec)
-    if note:
-        import logging
-
-        logging.getLogger("jaxtron").warning("%s", note)
-    return tok
-
-
-def checkpoint_tokenizer(path: str, kind: str, meta: dict, directory: str, spec: Optional[str] = None):
-    """``(tokenizer, warning or None)``: ``spec`` when given (a warning when the checkpoint records another);
-    else the tokenizer the checkpoint's meta records (its copy in ``directory``, with the recorded
-    end-of-document id); else, for a checkpoint saved before jaxtron recorded tokenizers, ``byte`` with a
-    warning; for Hugging Face folders, the folder's tokenizer.json (or SentencePiece tokenizer.model)."""
-    from jaxtron.data import tokenizer_record
-    from jaxtron.data.tokenizers import TokenizerError, load_tokenizer
-
-    rec = meta.get("tokenizer")
-    if spec is not None:
-        tok = load_tokenizer(spec)
-        if rec and not tokenizer_record.same(tokenizer_record.record_of(tok), rec):
-            return tok, (f"--tokenizer {spec}: the checkpoint was trained with {tokenizer_record.describe(rec)}; "
-                         f"using --tokenizer as asked")
-        return tok, None
-    if kind == "hf":
-        for name in ("tokenizer.json", "tokenizer.model"):
-            cand = os.path.join(path, name)
-            if os.path.isfile(cand):
-                return load_tokenizer(cand), None
-        raise TokenizerError(f"{os.path.abspath(path)}: no tokenizer.json in the Hugging Face folder; "
-                             f"pass --tokenizer (byte, a tokenizer.json or a SentencePiece .model)")
-    if rec:
-        return tokenizer_record.load_recorded(directory, rec, os.path.abspath(path)), None
-    why = ("the Hugging Face folder it was imported from had no tokenizer.json" if meta.get("source") == "hf"
-           else "saved by an older jaxtron")
-    return load_tokenizer("byte"), (f"{os.path.abspath(path)} records no tokenizer ({why}): using the byte "
-                                    f"tokenizer; pass --tokenizer if it was trained with another")
-
-
-def check_tokenizer_fits(tok, vocab_size: int, what: str = "--tokenizer") -> None:
-    tv = getattr(tok, "vocab_size", None)
-    if tv is not None and tv > vocab_size:
-        raise ValueError(f"{what}: the tokenizer has {tv} ids but the model's vocabulary has {vocab_size}")
 
 
 def decode_known(tok, ids) -> tuple[str, int]:

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     from jaxtron.checkpoint import CheckpointError
     from jaxtron.config import ConfigError
     from jaxtron import generate as gen
-    from jaxtron.convert.loading import load_for_inference
+    from jaxtron.convert.loading import check_tokenizer_fits, checkpoint_tokenizer, load_for_inference
 
     try:
         if args.max_new_tokens < 1:
@@ -87,11 +87,11 @@ def main(argv=None) -> int:
             raise ValueError(f"--max-positions: must be >= 2, got {args.max_positions}")
         loaded = load_for_inference(args.checkpoint, args.dtype)
         cfg, model = loaded.cfg, loaded.model
-        tok, note = gen.checkpoint_tokenizer(args.checkpoint, loaded.kind, loaded.meta, loaded.directory,
-                                             args.tokenizer)
+        tok, note = checkpoint_tokenizer(args.checkpoint, loaded.kind, loaded.meta, loaded.directory,
+                                         args.tokenizer)
         if note:
             print(f"warning: {note}", file=sys.stderr)
-        gen.check_tokenizer_fits(tok, cfg.vocab_size)
+        check_tokenizer_fits(tok, cfg.vocab_size)
         prompts = [list(tok.encode(p)) for p in args.prompt]
         for text, ids in zip(args.prompt, prompts):
             if not ids:
