@@ -1,6 +1,6 @@
 """Kubernetes: the JobSet manifest (valid YAML, the fields the JobSet CRD v1alpha2 requires, the pod's
 environment from JobSet's annotations, the supervisor inside) and a pod's place from that environment.
-tests/test_launch.py starts two processes with only that environment."""
+tests/test_launch.py starts two pods' supervisors with only that environment."""
 
 import subprocess
 import sys

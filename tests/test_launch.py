@@ -1,8 +1,8 @@
-"""The supervisor (python -m jaxtron.launch) under injected faults, on CPU with 2 local processes x 4 devices:
-a killed coordinator and a crash are restarted from the newest checkpoint (the first on one process fewer, the
-mesh re-laid), a straggler is named, a hang is ended and restarted; every run ends with the uninterrupted
-run's losses and consumed samples. Two processes with only a Kubernetes JobSet pod's environment join one run.
-Also the re-layout arithmetic and the supervisor's one-line errors."""
+"""The supervisor (python -m jaxtron.launch) under injected faults, on CPU with 2 processes x 4 devices: a killed
+coordinator and a crash are restarted from the newest checkpoint (the first on one process fewer, the mesh
+re-laid); two supervisors started as JobSet pods with only the pods' environment join one run, name a
+straggler, end a hang and restart together. Every run ends with the uninterrupted run's losses and consumed
+samples. Also the re-layout arithmetic and the supervisor's one-line errors."""
 
 import json
 import os
@@ -52,8 +52,9 @@ def _close(a: dict, b: dict, rtol: float):
 def reference(tmp_path_factory):
     """The uninterrupted run: one process, the same 8-device mesh."""
     out = str(tmp_path_factory.mktemp("reference"))
+    env = dict(_env(8), **{k: v for k, v in os.environ.items() if k == "JAX_COMPILATION_CACHE_DIR"})  # 1 process
     proc = subprocess.run([sys.executable, "-m", "jaxtron.train", *COMMON, f"train.output_dir={out}",
-                           "checkpoint.enabled=false"], capture_output=True, text=True, timeout=600, env=_env(8))
+                           "checkpoint.enabled=false"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _losses(out)
 
@@ -99,19 +100,48 @@ def test_killed_coordinator_shrinks_then_a_crash_restarts_in_place(tmp_path, ref
     assert any(line.startswith("launch: shrinking: slot(s) 0 lost; 2 -> 1 process(es)") for line in lines), lines
 
 
-def test_straggler_is_named_and_a_hang_is_ended_and_restarted(tmp_path, reference):
-    """Process 1 sleeps 1 s after every step from step 2 (a straggler: named in the log and metrics.jsonl),
-    then hangs after step 5: the hang detector ends the run within its limit (4 x the median step, at least
-    3 s), naming the step, and the supervisor restarts it in place to the uninterrupted run's losses."""
+def pod_env(job, jobs=2, **extra):
+    """What a JobSet pod's environment holds (the manifest's downward-API variables and Kubernetes' own)."""
+    return {"JOBSET_NAME": "jx", "REPLICATED_JOB_NAME": "worker", "REPLICATED_JOB_REPLICAS": str(jobs),
+            "JOB_INDEX": str(job), "JOB_COMPLETION_INDEX": "0", **extra}
+
+
+def test_two_jobset_pods_name_a_straggler_end_a_hang_and_restart_together(tmp_path, reference):
+    """Two supervisors as the two pods of a JobSet, started with only the JobSet environment (the coordinator
+    annotation names this machine): each finds its rank and the coordinator from it, and so does the one
+    training process each starts, and the two join one run. Process 1 sleeps 1 s after every step from step 2
+    (a straggler: named in the log and metrics.jsonl), then hangs after step 5: the hang detector ends the run
+    within its limit (4 x the median step, at least 3 s), naming the step, and both supervisors restart their
+    pods together (the next attempt's port) to the uninterrupted run's losses."""
     out = str(tmp_path / "run")
-    proc = _supervise(out, "sleep=1@step=2,process=1,attempt=0;hang@step=5,process=1,attempt=0",
-                      extra=["monitor.hang_factor=4", "monitor.hang_min_s=3"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "straggler at step 4: process 1 is" in proc.stderr, proc.stderr[-4000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    faults = "sleep=1@step=2,process=1,attempt=0;hang@step=5,process=1,attempt=0"
+    procs = []
+    for job in range(2):
+        env = _env(JAXTRON_FAULTS=faults, **pod_env(job, JOBSET_COORDINATOR="127.0.0.1",
+                                                    JAXTRON_COORDINATOR_PORT=str(port)))
+        cmd = [sys.executable, "-m", "jaxtron.launch", "--processes", "1", "--cpu-devices", "4", "--backoff", "0.2",
+               "--", *COMMON, f"train.output_dir={out}", "checkpoint.every_steps=2", "train.collective_timeout_s=10",
+               "monitor.hang_factor=4", "monitor.hang_min_s=3", "monitor.straggler_threshold=1.3"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        stderr = [p.communicate(timeout=900)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, err in zip(procs, stderr):
+        assert p.returncode == 0, err[-4000:]
+    assert "on node 1 of 2" in stderr[1] and "on 8 devices" in stderr[0]  # one mesh over both pods
+    # 1 s late on steps of 1-2.5 s (the sleep included): about 1.4-2x
+    assert re.search(r"straggler at step [34]: process 1 is", stderr[0]), stderr[0][-4000:]
     rows = {r["step"]: r for r in _rows(out) if "straggler_process" in r}
-    assert rows[4]["straggler_process"] == 1 and rows[4]["straggler_slowdown"] > 1.5, rows.get(4)
-    assert rows[4]["stragglers"].startswith("process 1 ")
-    events = _rows(out, "launch.jsonl")
+    for step in (3, 4):
+        assert rows[step]["straggler_process"] == 1 and rows[step]["straggler_slowdown"] > 1.3, rows.get(step)
+        assert rows[step]["stragglers"].startswith("process 1 ")
+    events = _rows(out, "launch.jsonl")  # node 0's
     failure = next(e for e in events if "failure" in e)
     assert "step 6 hung on process" in failure["failure"] and failure["status"] == 75, failure
     assert "behind: process 1" in failure["failure"] or "hung on process 1" in failure["failure"], failure
@@ -119,37 +149,9 @@ def test_straggler_is_named_and_a_hang_is_ended_and_restarted(tmp_path, referenc
     assert limit <= quiet <= limit + 2, failure  # the detector looks twice a second
     step4 = [r["time"] for r in _rows(out, "health.jsonl") if r["step"] == 4][0]
     assert failure["time"] - step4 < limit + 20, failure["time"] - step4  # step 5, the limit, stopping
-    assert [e["processes"] for e in events if "processes" in e] == [2, 2]
+    assert [e["processes"] for e in events if "processes" in e] == [1, 1]
+    assert "launch: attempt 1: starting 1 process(es) on node 1 of 2" in stderr[1]
     _close(_losses(out), reference, rtol=1e-5)
-
-
-def pod_env(job, jobs=2, **extra):
-    """What a JobSet pod's environment holds (the manifest's downward-API variables and Kubernetes' own)."""
-    return {"JOBSET_NAME": "jx", "REPLICATED_JOB_NAME": "worker", "REPLICATED_JOB_REPLICAS": str(jobs),
-            "JOB_INDEX": str(job), "JOB_COMPLETION_INDEX": "0", **extra}
-
-
-def test_two_pods_join_one_run_from_the_jobset_environment(tmp_path, reference):
-    """Only the JobSet-style variables (as the manifest passes them; the coordinator annotation names this
-    machine): two jaxtron.train processes find each other and train like the one-process reference."""
-    out = str(tmp_path / "run")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for job in range(2):
-        env = _env(4, **pod_env(job, JOBSET_COORDINATOR="127.0.0.1", JAXTRON_COORDINATOR_PORT=str(port)))
-        procs.append(subprocess.Popen([sys.executable, "-m", "jaxtron.train", *COMMON, f"train.output_dir={out}",
-                                       "checkpoint.enabled=false"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
-    assert "on 8 devices" in results[0][1]  # one mesh over both processes' devices
-    losses = _losses(out)
-    assert sorted(losses) == sorted(reference)
-    for step in losses:
-        assert abs(losses[step] - reference[step]) <= 1e-5 * abs(reference[step])
 
 
 # ------------------------------------------------------------------------------------------- no processes

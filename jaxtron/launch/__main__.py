@@ -51,7 +51,8 @@ def supervise(argv: list) -> int:
                    help="seconds before the first restart, doubling with each (default 5)")
     p.add_argument("--max-backoff", type=_non_negative, default=300.0, help="longest wait (default 300)")
     p.add_argument("--grace", type=_non_negative, default=30.0,
-                   help="seconds from SIGTERM to SIGKILL when stopping processes (default 30)")
+                   help="when the supervisor is stopped (SIGTERM/SIGINT): seconds from passing SIGTERM on to the "
+                        "processes (they save a checkpoint) to SIGKILL (default 30)")
     p.add_argument("--nodes", type=_positive, default=_env_int("JAXTRON_NODES", 1),
                    help="supervisors in the job, one per node (env JAXTRON_NODES; default 1)")
     p.add_argument("--node-rank", type=int, default=_env_int("JAXTRON_NODE_RANK", 0),
@@ -67,7 +68,8 @@ def supervise(argv: list) -> int:
         print(f"error: launch: {message}", file=sys.stderr)
         return 2
 
-    if kubernetes.detected() and args.coordinator is None:  # a JobSet pod: its place from its annotations
+    in_pod = kubernetes.detected() and args.coordinator is None
+    if in_pod:  # a JobSet pod: its place from its annotations
         try:
             pod = kubernetes.pod()
         except config_lib.ConfigError as err:
@@ -106,6 +108,7 @@ def supervise(argv: list) -> int:
                    min_processes=args.min_processes,
                    max_restarts=args.max_restarts, backoff_s=args.backoff, max_backoff_s=args.max_backoff,
                    grace_s=args.grace, nodes=args.nodes, node_rank=args.node_rank, coordinator=args.coordinator,
+                   kubernetes=in_pod,
                    module=os.environ.get("JAXTRON_LAUNCH_MODULE", "jaxtron.train"))
     return Supervisor(cfg, train_args, opts).run()
 

@@ -2,8 +2,8 @@
 
 One attempt starts ``processes`` copies of ``python -m jaxtron.train`` (joined into one JAX distributed run
 through ``JAXTRON_COORDINATOR``/``JAXTRON_NUM_PROCESSES``/``JAXTRON_PROCESS_ID``) and waits. When one fails
-(a non-zero exit, a signal, a hang ended by the watchdog or the hang detector) the others are asked to stop
-(SIGTERM, then SIGKILL after ``grace`` seconds), the newest checkpoint is verified (shard sizes and checksums;
+(a non-zero exit, a signal, a hang ended by the watchdog or the hang detector) the others are killed (they can
+neither finish a step nor write a checkpoint without it), the newest checkpoint is verified (shard sizes and checksums;
 a bad one is set aside as ``<step>.corrupt``) and the next attempt resumes from the newest good one, after a
 backoff that doubles with each restart, until ``max_restarts`` restarts are spent.
 
@@ -48,6 +48,7 @@ class Options:
     nodes: int = 1                      # supervisors in the job (one per node)
     node_rank: int = 0
     coordinator: Optional[str] = None   # host:port of process 0 (multi-node); attempt k uses port + k
+    kubernetes: bool = False            # a JobSet pod (nodes, rank and coordinator came from its environment)
     module: str = "jaxtron.train"
     python: str = sys.executable
 
@@ -195,9 +196,14 @@ class Supervisor:
         self._children = []
         for i, slot in enumerate(slots):
             pid = o.node_rank * len(slots) + i
-            env = dict(os.environ, JAXTRON_COORDINATOR=coordinator, JAXTRON_NUM_PROCESSES=str(num),
-                       JAXTRON_PROCESS_ID=str(pid), JAXTRON_LAUNCH_ATTEMPT=str(attempt),
-                       JAXTRON_LAUNCH_SLOT=str(slot))
+            env = dict(os.environ, JAXTRON_LAUNCH_ATTEMPT=str(attempt), JAXTRON_LAUNCH_SLOT=str(slot))
+            if o.kubernetes and len(slots) == 1:
+                # one process per JobSet pod: it finds its place from the pod's environment itself
+                # (jaxtron.parallel.kubernetes); only the attempt's port is the supervisor's
+                env["JAXTRON_COORDINATOR_PORT"] = coordinator.rsplit(":", 1)[1]
+            else:
+                env.update(JAXTRON_COORDINATOR=coordinator, JAXTRON_NUM_PROCESSES=str(num),
+                           JAXTRON_PROCESS_ID=str(pid))
             if o.gpus_per_process:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(
                     str(g) for g in range(slot * o.gpus_per_process, (slot + 1) * o.gpus_per_process))
@@ -220,8 +226,8 @@ class Supervisor:
                     # the origin: a lost process before one that failed, before those that exited (75) because a
                     # peer was lost; then the first to end
                     first = min(failed, key=lambda c: (not c.lost, c.proc.returncode == 75, c.ended))
-                    self._stop_all(signal.SIGTERM)
-                    kill_at = time.monotonic() + o.grace_s
+                    # the others can neither finish a step nor save a checkpoint without it: no grace period
+                    self._stop_all(signal.SIGKILL)
             if self._stop_signal and kill_at is None:
                 self._stop_all(signal.SIGTERM)
                 kill_at = time.monotonic() + o.grace_s
