@@ -298,8 +298,13 @@ def violations(root: pathlib.Path = ROOT, packages=PACKAGES) -> dict[str, list[s
 
 
 @functools.cache
-def _tree_violations() -> dict[str, list[str]]:  # the three tests on the real tree share one read of it
-    return _violations(load_modules(ROOT))
+def _tree_modules() -> dict[str, Module]:  # the tests on the real tree share one read of it
+    return load_modules(ROOT)
+
+
+@functools.cache
+def _tree_violations() -> dict[str, list[str]]:
+    return _violations(_tree_modules())
 
 
 def _violations(modules) -> dict[str, list[str]]:
@@ -347,7 +352,7 @@ def test_the_lazy_api_points_where_each_name_is_defined():
     """``jaxtron/__init__.py`` imports its public names on first use from ``_EXPORTS``; each entry names the
     module that defines the name (not one that re-exports it), and the ``TYPE_CHECKING`` imports for type
     checkers say the same."""
-    modules = load_modules(ROOT)
+    modules = _tree_modules()
     root = modules["jaxtron"]
     exports = next(ast.literal_eval(n.value) for n in root.tree.body
                    if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in n.targets))
