@@ -1,7 +1,8 @@
 """The shape of jaxtron's imports, read from the source (nothing is imported):
 
 * **No import cycles** among the modules of ``jaxtron/`` and ``pallas_kernels/``. Every ``import`` and
-  ``from ... import`` in a file counts, at any depth (a function-local import is an edge like any other).
+  ``from ... import`` in a file counts, at any depth (a function-local import, or one under ``if TYPE_CHECKING``,
+  is an edge like any other).
   ``import a.b.c`` is an edge to ``a.b.c``; ``from a.b import c`` is an edge to the submodule ``a.b.c`` when
   there is one, otherwise to ``a.b`` itself. A package's ``__init__.py`` is the node named for the package
   (``jaxtron.plan``), and it is reached only by importing that name: the parents Python initializes on the
