@@ -261,3 +261,38 @@ def test_evaluate_splits_the_windows_over_every_device(bpe_sized_import):
     assert spread["tokens"] == alone["tokens"] == 16 * 11 and spread["batches"] == 4  # 3 + 3 + 3 + 2 windows
     np.testing.assert_allclose(spread["loss"], alone["loss"], rtol=1e-5)
     assert [a[0] for a in seen] == [1, 2, 3, 4]
+
+
+def test_a_killed_peer_on_this_machine_is_named_at_the_next_beat(capfd):
+    """Its collective may not fail at once (a survivor waited the whole collective timeout in 2 of 3 tries): the
+    watchdog sees the peer's process gone, or a zombie its parent has not reaped, within a beat."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import threading
+
+    from jaxtron.parallel.watchdog import EXIT_PEER_LOST, PeerWatchdog, machine_id
+    from test_watchdog import Store, _wait
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store = Store()
+        store.kv["jaxtron/pid/1"] = f"{machine_id()} {peer.pid}"
+        store.kv["jaxtron/alive/1"] = "1"
+        exits = []
+        dog = PeerWatchdog(store, 0, 2, timeout=30, interval=0.05, exit_fn=exits.append)
+        dog._set("alive", "0")
+        threading.Thread(target=dog._run, daemon=True).start()
+        time.sleep(0.3)
+        assert exits == []  # alive: nothing said
+        peer.send_signal(signal.SIGKILL)  # not reaped: a zombie
+        t0 = time.time()
+        _wait(lambda: exits)
+        assert exits == [EXIT_PEER_LOST] and time.time() - t0 < 2
+    finally:
+        peer.kill()
+        peer.wait()
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        "error: process 1 of 2 was killed or crashed (its process on this machine is gone); exiting")

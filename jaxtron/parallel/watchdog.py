@@ -14,8 +14,10 @@ that, every ``interval`` seconds, writes its own beat counter into the coordinat
   that), process 0, which hosts it (in a child process of its own, :mod:`jaxtron.parallel.coordination_service`,
   which outlives a killed process 0), is gone: the line names it.
 
-When a collective fails first (a killed peer's sockets close at once, long before ``timeout``),
-:meth:`PeerWatchdog.silent_peers` names the processes whose beats stopped within a few seconds.
+A peer on the same machine (same boot, same pid namespace: each process publishes its pid) whose process is
+gone or a zombie is named at the next beat: a SIGKILLed peer's collective does not always fail at once. When a
+collective fails first (a killed peer's sockets close), :meth:`PeerWatchdog.silent_peers` names the processes
+whose beats stopped within a few seconds.
 
 A process that finished cleanly marks itself done, so the others do not mistake its silence for a failure.
 The thread holds the GIL only for microseconds per beat, so long compiles do not starve it. JAX's own heartbeat
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 import time
@@ -33,6 +36,30 @@ from typing import Callable, Optional
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: a scheduler may restart the job from its last checkpoint
 PREFIX = "jaxtron/"
+
+
+def machine_id() -> str:
+    """This machine and pid namespace (pids compare only within one): boot id and namespace inode."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"{socket.gethostname()}/unknown-ns/{os.getpid()}"  # never equal to a peer's: no local checks
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a killed child not yet reaped by its parent is a zombie
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class PeerWatchdog:
@@ -43,9 +70,11 @@ class PeerWatchdog:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._beat = 0
+        self._local: Optional[dict[int, int]] = None  # peers on this machine: process -> pid
 
     def start(self) -> "PeerWatchdog":
         self._set("alive", "0")
+        self._set("pid", f"{machine_id()} {os.getpid()}")
         self._last_ok = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="jaxtron-peer-watchdog", daemon=True)
         self._thread.start()
@@ -98,6 +127,17 @@ class PeerWatchdog:
         sys.stderr.flush()
         self._exit(EXIT_PEER_LOST)
 
+    def _gone_here(self, done: dict) -> list[int]:
+        """Peers on this machine (same boot, same pid namespace) whose process has ended or is a zombie: a
+        SIGKILLed peer is named at the next beat, not after ``timeout`` (its collective may not fail at once)."""
+        local = self._local
+        if local is None:  # until every peer has said where it runs
+            me, pids = machine_id(), {q: v for q, v in self._read("pid").items() if q != self.pid}
+            local = {q: int(v.split()[1]) for q, v in pids.items() if v.split()[0] == me}
+            if len(pids) == self.n - 1:
+                self._local = local
+        return [q for q, pid in sorted(local.items()) if q not in done and not _running(pid)]
+
     def _judge(self) -> None:
         while not self._stop.wait(self.interval):
             if time.monotonic() - self._last_ok > self.timeout:
@@ -124,6 +164,9 @@ class PeerWatchdog:
                 if q != self.pid:
                     self._lost(f"process {q} of {self.n} failed: {why}")
                     return
+            for q in self._gone_here(done):
+                self._lost(f"process {q} of {self.n} was killed or crashed (its process on this machine is gone)")
+                return
             now = time.monotonic()
             for q in range(self.n):
                 if q == self.pid or q in done:
