@@ -1,8 +1,8 @@
 """The config schema: one dataclass per section, each field with its default and doc.
 
 The defaults are the ``tiny`` preset. Loading (YAML + dotted overrides) is in :mod:`jaxtron.config.loading`,
-device-independent checks in :mod:`jaxtron.config.validation`; checks that need the mesh sizes are made by
-:mod:`jaxtron.parallel.layout`, and kernel capability checks by :mod:`jaxtron.model.kernels`.
+checks of the fields themselves in :mod:`jaxtron.config.validation`; the checks against the model's kernels and
+the mesh sizes are :mod:`jaxtron.preflight`'s (this package imports nothing else of jaxtron).
 """
 
 from __future__ import annotations
