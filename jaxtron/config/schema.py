@@ -175,6 +175,9 @@ class ModelConfig:
 class ParallelConfig:
     data: int = _f(-1, "Data-parallel size (replicated params). -1: all devices the other axes leave.")
     fsdp: int = _f(1, "FSDP / ZeRO-3 size: params, grads and optimizer state sharded, batch split.")
+    zero: int = _f(0, "Distributed optimizer over 'data' (params stay replicated over it): 1 shards the optimizer "
+                      "state (ZeRO-1), 2 also the gradients the optimizer takes (ZeRO-2: reduce-scatter instead "
+                      "of all-reduce); 0: off. See docs/optimizers.md.")
     tensor: int = _f(1, "Megatron tensor-parallel size (heads, MLP and vocab split).")
     stage: int = _f(1, "Pipeline stages: the stacked decoder layers are split over this mesh axis (shard_map "
                        "over 'stage'; data, FSDP and tensor parallelism work inside each stage).")

@@ -190,6 +190,7 @@ def _validate_run(cfg: Config) -> None:
     for name in ("every_steps", "keep_every"):
         check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
     check(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
+    check(cfg.parallel.zero in (0, 1, 2), "parallel.zero", f"must be 0, 1 or 2, got {cfg.parallel.zero}")
     check(c.dir is None or bool(c.dir), "checkpoint.dir", "must not be empty")
     check(c.load_weights is None or bool(c.load_weights), "checkpoint.load_weights", "must not be empty")
     check(t.collective_timeout_s >= 1, "train.collective_timeout_s", f"must be >= 1, got {t.collective_timeout_s}")

@@ -17,6 +17,7 @@ from jaxtron.model.llama import Llama
 from jaxtron.model.fp8 import Histories
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.sharding import logical_names, param_shardings
+from jaxtron.parallel.zero import zero_shardings
 
 
 @dataclass
@@ -29,6 +30,9 @@ class ModelSpec:
     abstract_state: dict
     init_fn: Callable[[], dict]  # creates the real state; jit it with out_shardings=state_shardings
     histories: Histories         # the FP8 amax histories among the params (none unless model.fp8=delayed)
+    # the shardings of the optimizer's moments (parallel.zero >= 1: split over data too) and, with zero 2, of the
+    # gradients the optimizer takes
+    moment_shardings: Optional[dict] = None
 
 
 def model_factory(cfg: Config):
@@ -81,10 +85,11 @@ def abstract_train_state(cfg: Config, tx: optax.GradientTransformation, layout: 
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     abstract = jax.eval_shape(init)
-    opt_sh = opt_state_shardings(abstract["opt_state"], abstract["params"], p_sh, replicated)
+    m_sh = zero_shardings(p_sh, abstract["params"]) if cfg.parallel.zero else p_sh
+    opt_sh = opt_state_shardings(abstract["opt_state"], abstract["params"], m_sh, replicated)
     shardings = {"step": replicated, "params": p_sh, "opt_state": opt_sh}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return ModelSpec(graphdef, p_sh, shardings, abstract, init, Histories.of(abstract_vars))
+    return ModelSpec(graphdef, p_sh, shardings, abstract, init, Histories.of(abstract_vars), m_sh)
 
 
 def create_model(cfg: Config, mesh: Optional[Mesh] = None, devices=None, layout: Optional[Layout] = None) -> Llama:

@@ -157,7 +157,11 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             n = jnp.maximum(n, 1.0)
             grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), spec.histories.without(raw), params)
             grad_norm = optax.global_norm(grads)
+            if cfg.parallel.zero >= 2:  # reduce-scattered over data: each rank updates its shard of the state
+                grads = jax.lax.with_sharding_constraint(grads, spec.moment_shardings)
             updates, opt_state = tx.update(grads, state["opt_state"], params)
+            if cfg.parallel.zero:  # the update on the shard; the new params leave all-gathered over data
+                updates = jax.lax.with_sharding_constraint(updates, spec.moment_shardings)
             new_params = optax.apply_updates(params, updates)
             # A non-finite loss or gradient norm skips the update: params and optimizer state stay as they were
             # (the step counter, i.e. the data position, still advances).
