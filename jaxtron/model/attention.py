@@ -14,19 +14,20 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.model import kernels
-from jaxtron.model.projection import contract
+from jaxtron.model.projection import Matmuls
 
 
 def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float,
-                  positions: Optional[jax.Array] = None) -> jax.Array:
-    """With ``positions`` [batch, seq] and ``segment_ids``, the causal mask compares positions (key not after
-    query, same segment) instead of indices: sequences may come in another order than their positions'
+                  positions: Optional[jax.Array] = None, *, matmuls: Matmuls = Matmuls()) -> jax.Array:
+    """The scores and values are ``matmuls``' contractions (the model's: jaxtron/model/projection.py). With
+    ``positions`` [batch, seq] and ``segment_ids``, the causal mask compares positions (key not after query, same
+    segment) instead of indices: sequences may come in another order than their positions'
     (context parallelism's load balance). Positions must increase along each segment, as the loader makes them."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
     qg = q.reshape(b, s, kvh, g, d)  # GQA without repeating K/V
-    scores = contract("bqkgd,bskd->bkgqs", qg, k, jnp.float32) * scale
+    scores = matmuls.contract("bqkgd,bskd->bkgqs", qg, k, jnp.float32) * scale
     if positions is None or segment_ids is None:
         mask = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))[None, None, None]
     else:
@@ -36,21 +37,21 @@ def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float,
         mask = mask & same[:, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = contract("bkgqs,bskd->bqkgd", probs, v, jnp.float32)
+    out = matmuls.contract("bkgqs,bskd->bqkgd", probs, v, jnp.float32)
     return out.reshape(b, s, h, d).astype(q.dtype)
 
 
-def cached_attention(q, k, v, mask, scale: float) -> jax.Array:
+def cached_attention(q, k, v, mask, scale: float, matmuls: Matmuls = Matmuls()) -> jax.Array:
     """Decoding against a KV cache: q [b, s, h, d]; k, v [b, T, kvh, d] (the whole cache); mask [b, s, T]. The
     math of :func:`xla_attention` with an explicit mask (the flash kernels are causal square kernels, so a
     cached step runs this for every ``attention_impl``)."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, s, kvh, h // kvh, d)
-    scores = contract("bqkgd,bskd->bkgqs", qg, k, jnp.float32) * scale
+    scores = matmuls.contract("bqkgd,bskd->bkgqs", qg, k, jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = contract("bkgqs,bskd->bqkgd", probs, v, jnp.float32)
+    out = matmuls.contract("bkgqs,bskd->bqkgd", probs, v, jnp.float32)
     return out.reshape(b, s, h, d).astype(q.dtype)
 
 
@@ -78,7 +79,7 @@ IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pal
 
 
 def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: Optional[float] = None,
-              deterministic: bool = False, positions: Optional[jax.Array] = None):
+              deterministic: bool = False, positions: Optional[jax.Array] = None, matmuls: Matmuls = Matmuls()):
     """deterministic: gradients bitwise reproducible run to run; 'xla' and 'pallas' always are, 'mosaic' switches
     to its dq kernel, 'cudnn' cannot promise it (ValueError)."""
     if implementation not in IMPLEMENTATIONS:
@@ -93,5 +94,5 @@ def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: 
         raise ValueError("model.deterministic_attention: cuDNN's attention backward is not deterministic here; "
                          "use model.attention_impl=pallas or mosaic")
     if implementation == "xla":
-        return xla_attention(q, k, v, segment_ids, scale, positions)
+        return xla_attention(q, k, v, segment_ids, scale, positions, matmuls=matmuls)
     return IMPLEMENTATIONS[implementation](q, k, v, segment_ids, scale)

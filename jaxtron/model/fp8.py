@@ -32,8 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.model.fp8_blockwise import LETTER_NAMES, Blockwise, blockwise_project
-from jaxtron.model.projection import parse_spec, project
-from jaxtron.parallel.sharding import devices_are_cpu
+from jaxtron.model.projection import Matmuls, parse_spec
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -59,12 +58,13 @@ class Recipe:
     history: int = 16               # delayed: steps of amax history
     block: int = 128                # blockwise: the tile
     blockwise_impl: str = "auto"    # blockwise: 'pallas' | 'xla' | 'auto'
+    matmuls: Matmuls = Matmuls()    # the unquantized matmuls (none), and what 'auto' resolves by
 
     @classmethod
-    def of(cls, cfg) -> "Recipe":
+    def of(cls, cfg, matmuls: Matmuls) -> "Recipe":
         """The recipe of a model config (``model.fp8``, ``fp8_margin``, ``fp8_amax_history``, ``fp8_block``,
-        ``fp8_blockwise_impl``)."""
-        return cls(cfg.fp8, cfg.fp8_margin, cfg.fp8_amax_history, cfg.fp8_block, cfg.fp8_blockwise_impl)
+        ``fp8_blockwise_impl``) for a model built with ``matmuls``."""
+        return cls(cfg.fp8, cfg.fp8_margin, cfg.fp8_amax_history, cfg.fp8_block, cfg.fp8_blockwise_impl, matmuls)
 
     def add_histories(self, module, names) -> None:
         """Under ``delayed``, an :class:`AmaxHistory` beside each of ``module``'s weights ``names``."""
@@ -73,12 +73,12 @@ class Recipe:
                     AmaxHistory(jnp.zeros((self.history, 3), jnp.float32), out_sharding=(None, None)))
 
     def blockwise(self, **names) -> Blockwise:
-        """``blockwise``'s options: the block, the GEMM ('auto': the Pallas kernel on GPUs, XLA's ops on CPUs,
-        where the kernel would only be interpreted) and the logical names of the einsum letters (``names``
-        overrides, e.g. ``h="act_kv_heads"``)."""
+        """``blockwise``'s options: the block, the GEMM ('auto': the Pallas kernel on GPUs, XLA's ops with the
+        CPU's :class:`Matmuls`, where the kernel would only be interpreted) and the logical names of the einsum
+        letters (``names`` overrides, e.g. ``h="act_kv_heads"``)."""
         impl = self.blockwise_impl
         if impl == "auto":
-            impl = "xla" if devices_are_cpu() else "pallas"
+            impl = "xla" if self.matmuls.cpu else "pallas"
         return Blockwise(self.block, impl, tuple({**LETTER_NAMES, **names}.items()))
 
     def project(self, module, name: str, spec: str, x: jax.Array, **names) -> jax.Array:
@@ -87,7 +87,7 @@ class Recipe:
         w = getattr(module, name)[...].astype(x.dtype)
         hist = getattr(module, name + HISTORY_SUFFIX, None)
         return dense(spec, x, w, self.name, hist, self.margin,
-                     self.blockwise(**names) if self.name == "blockwise" else None)
+                     self.blockwise(**names) if self.name == "blockwise" else None, self.matmuls)
 
     def describe(self) -> str:
         """The recipe in words, for the start-up log."""
@@ -100,12 +100,12 @@ class Recipe:
 
 
 def dense(spec: str, x: jax.Array, w: jax.Array, recipe: str = "none", hist=None, margin: int = 0,
-          blockwise: Blockwise | None = None) -> jax.Array:
-    """A dense projection: ``project`` (model.fp8=none), :func:`fp8_project` (current),
+          blockwise: Blockwise | None = None, matmuls: Matmuls = Matmuls()) -> jax.Array:
+    """A dense projection: ``matmuls.project`` (model.fp8=none), :func:`fp8_project` (current),
     :func:`delayed_project` (delayed, with the projection's ``hist``) or ``blockwise_project`` (blockwise,
     with its options; jaxtron/model/fp8_blockwise.py)."""
     if recipe == "none":
-        return project(spec, x, w)
+        return matmuls.project(spec, x, w)
     if recipe == "delayed":
         return delayed_project(spec, x, w, hist[...], margin)
     if recipe == "blockwise":

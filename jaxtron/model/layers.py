@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -13,6 +14,7 @@ from jaxtron.config import ModelConfig, head_dim
 from jaxtron.model import fp8, kernels, remat
 from jaxtron.model.attention import attention, cached_attention, xla_attention
 from jaxtron.model.cache import CACHE_NAMES, LayerCache
+from jaxtron.model.projection import Matmuls
 from jaxtron.parallel import ring_attention
 from jaxtron.parallel.sharding import constrain
 
@@ -83,7 +85,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmuls: Optional[Matmuls] = None):
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, head_dim(cfg)
         pd = jnp.dtype(cfg.param_dtype)
         std, out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
@@ -92,7 +94,8 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), std, pd)
         self.wv = param(rngs, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), std, pd)
         self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), out_std, pd)
-        self.recipe = fp8.Recipe.of(cfg)
+        self.matmuls = matmuls or Matmuls.here()
+        self.recipe = fp8.Recipe.of(cfg, self.matmuls)
         self.recipe.add_histories(self, ("wq", "wk", "wv", "wo"))
         if cfg.qkv_bias:
             self.bq = param(rngs, (h, hd), ("heads", "head_dim"), 0.0, pd)
@@ -129,7 +132,7 @@ class Attention(nnx.Module):
             # exchanged for heads); the xla causal mask is by position (the sequence may arrive reordered:
             # context parallelism's load balance), the flash kernel's by chunk (parallel/context_flash.py)
             scale = q.shape[-1] ** -0.5
-            flash, attend = None, xla_attention
+            flash, attend = None, functools.partial(xla_attention, matmuls=self.matmuls)
             if self.cfg.attention_impl == "pallas":
                 flash = kernels.flash_piece(scale)
                 attend = lambda q, k, v, seg, scale, _: attention(q, k, v, seg, implementation="pallas",  # noqa: E731
@@ -137,7 +140,7 @@ class Attention(nnx.Module):
             out = ring_attention.sequence_attention(q, k, v, segment_ids, rope.positions, scale, attend, flash)
         else:
             out = attention(q, k, v, segment_ids, implementation=self.cfg.attention_impl,
-                            deterministic=self.cfg.deterministic_attention)
+                            deterministic=self.cfg.deterministic_attention, matmuls=self.matmuls)
         out = remat.tag(constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim")), remat.ATTENTION_OUT)
         return remat.tag(self.recipe.project(self, "wo", "bshk,hkd->bsd", out), remat.OUT_PROJ)
 
@@ -146,13 +149,14 @@ class Attention(nnx.Module):
         write = lambda buf, x: constrain(jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype),
                                                                       (0, cache.index, 0, 0)), CACHE_NAMES)
         k_cache, v_cache = write(cache.k, k), write(cache.v, v)
-        out = cached_attention(q, k_cache.astype(dt), v_cache.astype(dt), cache.mask, q.shape[-1] ** -0.5)
+        out = cached_attention(q, k_cache.astype(dt), v_cache.astype(dt), cache.mask, q.shape[-1] ** -0.5,
+                               self.matmuls)
         out = constrain(out, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return self.recipe.project(self, "wo", "bshk,hkd->bsd", out), (k_cache, v_cache)
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmuls: Optional[Matmuls] = None):
         d, f = cfg.hidden_size, cfg.intermediate_size
         pd = jnp.dtype(cfg.param_dtype)
         std, out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
@@ -160,7 +164,7 @@ class SwiGLU(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
         self.mlp_impl = cfg.mlp_impl
-        self.recipe = fp8.Recipe.of(cfg)
+        self.recipe = fp8.Recipe.of(cfg, matmuls or Matmuls.here())
         self.recipe.add_histories(self, ("w_gate", "w_up", "w_down"))
 
     def __call__(self, x):

@@ -32,7 +32,7 @@ from jaxtron.model import remat
 from jaxtron.model.cache import KVCache, LayerCache, cache_mask
 from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
 from jaxtron.model.moe import MoE
-from jaxtron.model.projection import project
+from jaxtron.model.projection import Matmuls
 from jaxtron.parallel.sharding import constrain
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -42,13 +42,13 @@ class DecoderBlock(nnx.Module):
     """Attention and a feed-forward block, pre-norm. With ``moe=True`` the feed-forward block is an
     :class:`~jaxtron.model.moe.MoE` and the (uncached) call returns ``(x, router stats)``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmuls: Matmuls, moe: bool = False):
         pd = jnp.dtype(cfg.param_dtype)
         self.is_moe = moe
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
-        self.attention = Attention(cfg, rngs=rngs)
+        self.attention = Attention(cfg, rngs=rngs, matmuls=matmuls)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
-        self.mlp = MoE(cfg, rngs=rngs) if moe else SwiGLU(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs, matmuls=matmuls) if moe else SwiGLU(cfg, rngs=rngs, matmuls=matmuls)
 
     def _ffn(self, x):
         out = self.mlp(remat.tag(self.mlp_norm(x), remat.MLP_IN))
@@ -72,11 +72,11 @@ class MoEGroup(nnx.Module):
     block (Qwen's decoder_sparse_step: layer j is MoE when (j+1) % F == 0). Unrolled inside the unit: F is
     small, and the unit itself is scanned."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmuls: Matmuls):
         self.num_dense = cfg.moe.layer_freq - 1
         for i in range(self.num_dense):
-            setattr(self, f"dense_{i}", DecoderBlock(cfg, rngs=rngs))
-        self.moe = DecoderBlock(cfg, rngs=rngs, moe=True)
+            setattr(self, f"dense_{i}", DecoderBlock(cfg, rngs=rngs, matmuls=matmuls))
+        self.moe = DecoderBlock(cfg, rngs=rngs, matmuls=matmuls, moe=True)
 
     def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
         """Without ``cache``: (x, stats). With it (k and v [F, ...], one per block): (x, (k, v))."""
@@ -111,14 +111,14 @@ def layer_stacks(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     return stacks + [("layers", (cfg.num_layers - e.first_dense_layers) // e.layer_freq, e.layer_freq)]
 
 
-def _make_stack(cfg: ModelConfig, key: str, units: int, rngs: nnx.Rngs):
+def _make_stack(cfg: ModelConfig, key: str, units: int, rngs: nnx.Rngs, matmuls: Matmuls):
     if key == "dense_layers":  # not split over pipeline stages: the first stage runs them before its chunk
-        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r), rngs, axis="dense_layers")
+        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r, matmuls=matmuls), rngs, axis="dense_layers")
     if not cfg.moe.num_experts:
-        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r), rngs)
+        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r, matmuls=matmuls), rngs)
     if cfg.moe.layer_freq == 1:
-        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r, moe=True), rngs)
-    return _stacked(units, lambda r: MoEGroup(cfg, rngs=r), rngs)
+        return _stacked(units, lambda r: DecoderBlock(cfg, rngs=r, matmuls=matmuls, moe=True), rngs)
+    return _stacked(units, lambda r: MoEGroup(cfg, rngs=r, matmuls=matmuls), rngs)
 
 
 class Llama(nnx.Module):
@@ -128,17 +128,22 @@ class Llama(nnx.Module):
 
     ``model(tokens, positions=None, segment_ids=None)``: ``tokens`` int ``[batch, seq]`` -> fp32 logits
     ``[batch, seq, vocab]``. ``positions`` (RoPE; default 0..seq-1) and ``segment_ids`` (packed documents
-    attend only within their segment) are int ``[batch, seq]``. Parameters carry logical axis names only."""
+    attend only within their segment) are int ``[batch, seq]``. Parameters carry logical axis names only.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    ``matmuls`` (jaxtron/model/projection.py): how every matmul is computed, for the devices the model will run
+    on; where a program is built it is the layout's (``Matmuls.on(layout.platform)``), else the default
+    backend's. Not a parameter: it does not change the parameter tree."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmuls: Optional[Matmuls] = None):
         self.cfg = cfg
+        self.matmuls = matmuls = matmuls or Matmuls.here()
         pd = jnp.dtype(cfg.param_dtype)
         # Sharding is applied by jaxtron.parallel from the logical names, never eagerly here.
         with nnx.use_eager_sharding(False):
             self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                cfg.initializer_range, pd)
             for key, units, _ in layer_stacks(cfg):
-                setattr(self, key, _make_stack(cfg, key, units, rngs))
+                setattr(self, key, _make_stack(cfg, key, units, rngs, matmuls))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
             if not cfg.tie_embeddings:
                 self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
@@ -236,5 +241,5 @@ class Llama(nnx.Module):
         """Final norm and LM head: [batch, seq, hidden] -> fp32 logits [batch, seq, vocab]."""
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = project("bsd,dv->bsv", x, head.astype(x.dtype), jnp.float32)
+        logits = self.matmuls.project("bsd,dv->bsv", x, head.astype(x.dtype), jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))

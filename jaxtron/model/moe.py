@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ from flax import nnx
 from jaxtron.config import ModelConfig
 from jaxtron.model import fp8, kernels, remat, routing
 from jaxtron.model.layers import SwiGLU, param
-from jaxtron.model.projection import project
+from jaxtron.model.projection import Matmuls
 from jaxtron.parallel import expert as expert_parallel
 
 EXPERTS = expert_parallel.WEIGHT_NAME  # the expert stacks' leading axis: split over the expert ranks
@@ -107,13 +108,14 @@ class MoE(nnx.Module):
     holds this layer's ``aux_loss`` and ``z_loss`` (scalars), ``load`` ([E] assignments per expert) and
     ``dropped``/``assigned`` (assignment counts)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmuls: Optional[Matmuls] = None):
         e = cfg.moe
         d, f, n = cfg.hidden_size, e.expert_intermediate_size, e.num_experts
         pd = jnp.dtype(cfg.param_dtype)
         std, out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
         self.moe = e
         self.fp8 = cfg.fp8
+        self.matmuls = matmuls or Matmuls.here()
         self.router = param(rngs, (d, n), ("embed", ROUTER_EXPERTS), std, pd)
         self.w_gate = param(rngs, (n, d, f), (EXPERTS, "embed", "mlp"), std, pd)
         self.w_up = param(rngs, (n, d, f), (EXPERTS, "embed", "mlp"), std, pd)
@@ -122,7 +124,7 @@ class MoE(nnx.Module):
             self.expert_bias = routing.ExpertBias(jnp.zeros((n,), jnp.float32), out_sharding=(ROUTER_EXPERTS,))
         if e.num_shared_experts:
             size = e.num_shared_experts * (e.shared_expert_intermediate_size or f)
-            self.shared = SwiGLU(dataclasses.replace(cfg, intermediate_size=size), rngs=rngs)
+            self.shared = SwiGLU(dataclasses.replace(cfg, intermediate_size=size), rngs=rngs, matmuls=self.matmuls)
             if e.shared_expert_gate:
                 self.shared_gate = param(rngs, (d, 1), ("embed", None), std, pd)
 
@@ -144,7 +146,8 @@ class MoE(nnx.Module):
         if self.moe.num_shared_experts:
             shared = self.shared(x)
             if self.moe.shared_expert_gate:
-                shared = shared * jax.nn.sigmoid(project("bsd,do->bso", x, self.shared_gate[...].astype(dt)))
+                gate = self.matmuls.project("bsd,do->bso", x, self.shared_gate[...].astype(dt))
+                shared = shared * jax.nn.sigmoid(gate)
             y = y + shared
         load = routing.expert_load(r.experts, self.moe.num_experts)  # global: from the routing, before dispatch
         stats = {"aux_loss": routing.load_balancing_loss(r, load), "z_loss": routing.router_z_loss(r),

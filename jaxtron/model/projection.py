@@ -1,11 +1,16 @@
-"""The model's matmuls: ``project(spec, x, w)`` (activations with a weight: every linear layer and the LM head)
-and ``contract(spec, a, b)`` (activations with activations: attention scores and values).
+"""The model's matmuls: ``Matmuls.project(spec, x, w)`` (activations with a weight: every linear layer and the LM
+head) and ``Matmuls.contract(spec, a, b)`` (activations with activations: attention scores and values).
 
-On GPUs and TPUs both are ``jnp.einsum``, except a projection of 16-bit operands with an fp32 result (the LM
-head's logits): its backward rounds the fp32 cotangent to the operands' dtype first, as on CPUs (below).
-Left to JAX, the transpose multiplies the fp32 cotangent by the bf16 weight, which XLA:GPU runs as fp32 x fp32
-GEMMs: the LM head's backward, twice its forward's FLOPs, at the fp32/TF32 rate. On CPUs both are
-``custom_vjp``s shaped for XLA:CPU:
+Which implementation runs is a :class:`Matmuls` value the model is built with (a static attribute of its
+modules, not a parameter), decided once where the program is built from the devices its layout runs on
+(``Matmuls.on(layout.platform)``), so a program compiled for GPUs on a CPU-only machine gets GPU code and a
+test can build either and look at what it lowers to.
+
+On GPUs and TPUs (``Matmuls(cpu=False)``) both are ``jnp.einsum``, except a projection of 16-bit operands with
+an fp32 result (the LM head's logits): its backward rounds the fp32 cotangent to the operands' dtype first, as on
+CPUs (below). Left to JAX, the transpose multiplies the fp32 cotangent by the bf16 weight, which XLA:GPU runs as
+fp32 x fp32 GEMMs: the LM head's backward, twice its forward's FLOPs, at the fp32/TF32 rate. On CPUs
+(``Matmuls(cpu=True)``) both are ``custom_vjp``s shaped for XLA:CPU:
 
 - Every matmul accumulates in fp32 and rounds its result afterwards. JAX 0.10's XLA:CPU runs a bf16 x bf16
   matmul on its native kernel (AVX512-BF16) only when the result is fp32; asked for a bf16 result it converts
@@ -27,12 +32,11 @@ In fp32 the numbers are those of ``jnp.einsum`` (same contractions, fp32 accumul
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-
-from jaxtron.parallel.sharding import devices_are_cpu
 
 
 def parse_spec(spec: str) -> tuple[str, str, str]:
@@ -95,20 +99,36 @@ _cpu_contract = _rounding_matmul(_contract_grads)
 _rounded_project = _cpu_contract
 
 
-def project(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """``jnp.einsum(spec, x, w, preferred_element_type=out_dtype)`` where ``w`` is a weight (no batch axes),
-    e.g. ``"bsd,df->bsf"``."""
-    if devices_are_cpu():
-        return _cpu_project(spec, x, w, out_dtype)
-    if out_dtype is not None and jnp.dtype(out_dtype).itemsize > jnp.dtype(x.dtype).itemsize == 2 \
-            and x.dtype == w.dtype:
-        return _rounded_project(spec, x, w, out_dtype)
-    return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+@dataclasses.dataclass(frozen=True)
+class Matmuls:
+    """The model's matmul implementation: ``cpu`` the ``custom_vjp``s shaped for XLA:CPU, else ``jnp.einsum``
+    (with the rounded LM-head backward). Frozen and hashable: modules keep it as a static attribute."""
 
+    cpu: bool = False
 
-def contract(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
-    """``jnp.einsum(spec, a, b, preferred_element_type=out_dtype)`` for two activations (every axis of the
-    output and of the contraction belongs to at least one of them), e.g. attention's ``"bqhd,bkhd->bhqk"``."""
-    if devices_are_cpu():
-        return _cpu_contract(spec, a, b, out_dtype)
-    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+    @classmethod
+    def on(cls, platform: str) -> "Matmuls":
+        """The implementation for devices of ``platform`` ('cpu', 'gpu', 'tpu', ...)."""
+        return cls(cpu=platform == "cpu")
+
+    @classmethod
+    def here(cls) -> "Matmuls":
+        """For a model built outside a program (tests, scripts): JAX's default backend's."""
+        return cls.on(jax.default_backend())
+
+    def project(self, spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+        """``jnp.einsum(spec, x, w, preferred_element_type=out_dtype)`` where ``w`` is a weight (no batch axes),
+        e.g. ``"bsd,df->bsf"``."""
+        if self.cpu:
+            return _cpu_project(spec, x, w, out_dtype)
+        if out_dtype is not None and jnp.dtype(out_dtype).itemsize > jnp.dtype(x.dtype).itemsize == 2 \
+                and x.dtype == w.dtype:
+            return _rounded_project(spec, x, w, out_dtype)
+        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+
+    def contract(self, spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
+        """``jnp.einsum(spec, a, b, preferred_element_type=out_dtype)`` for two activations (every axis of the
+        output and of the contraction belongs to at least one of them), e.g. attention's ``"bqhd,bkhd->bhqk"``."""
+        if self.cpu:
+            return _cpu_contract(spec, a, b, out_dtype)
+        return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)

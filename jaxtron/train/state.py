@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtron.config import Config
 from jaxtron.model.llama import Llama
 from jaxtron.model.fp8 import Histories
+from jaxtron.model.projection import Matmuls
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.sharding import logical_names, param_shardings
 from jaxtron.parallel.zero import zero_shardings
@@ -35,8 +36,15 @@ class ModelSpec:
     moment_shardings: Optional[dict] = None
 
 
-def model_factory(cfg: Config):
-    return lambda: Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
+def model_factory(cfg: Config, matmuls: Optional[Matmuls] = None):
+    return lambda: Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed), matmuls=matmuls)
+
+
+def layout_matmuls(layout: Layout) -> Matmuls:
+    """The matmuls of a model run on ``layout``: its mesh's devices' (a step compiled ahead of time for GPUs on a
+    CPU-only machine gets the GPU's), else the platform it was planned for, else the default backend's."""
+    platform = layout.mesh.devices.flat[0].platform if layout.mesh is not None else layout.platform
+    return Matmuls.on(platform) if platform else Matmuls.here()
 
 
 def param_names(cfg: Config) -> dict:
@@ -47,7 +55,7 @@ def param_names(cfg: Config) -> dict:
 def _abstract_model(cfg: Config, layout: Layout):
     """(graphdef, make, NamedShardings of the params, abstract variables) of the model ``cfg`` describes, on
     ``layout``'s mesh."""
-    make = model_factory(cfg)
+    make = model_factory(cfg, layout_matmuls(layout))
     with layout.tracing():
         abstract_model = nnx.eval_shape(make)
     graphdef, abstract_vars = nnx.split(abstract_model)

@@ -23,6 +23,7 @@ from jaxtron import config as config_lib
 from jaxtron.config import Config
 from jaxtron.data.corpus import make_corpus, valid_start_batch
 from jaxtron.model.fp8 import Recipe
+from jaxtron.model.projection import Matmuls
 from jaxtron.model import kernel_check
 from jaxtron.train.callbacks import TrainResult, as_callback
 from jaxtron.train.checkpointing import Checkpointing, Restored
@@ -226,9 +227,9 @@ class Trainer:
             virtual = f" x {p.virtual_stages} virtual" if p.pipeline_schedule == "circular" else ""
             log.info("pipeline %s: %d stages%s, %d micro batches, bubble %.1f%% (MFU counts only model FLOPs)",
                      p.pipeline_schedule, lay.stages, virtual, lay.accumulation_steps, 100 * lay.bubble)
-        recipe = Recipe.of(cfg.model)
+        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        recipe = Recipe.of(cfg.model, Matmuls(cpu=cpu))
         if recipe.name != "none":
-            cpu = self.mesh.devices.flat[0].platform == "cpu"
             log.info("FP8 matmuls: model.fp8=%s%s", recipe.describe(),
                      "; emulated on CPU (the same quantization; XLA:CPU runs the FP8 dots in wider types)"
                      if cpu else "")
