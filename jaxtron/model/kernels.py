@@ -12,6 +12,9 @@ from typing import Optional
 from jaxtron.config.schema import compute_dtype, head_dim, require
 from jaxtron.parallel.sharding import devices_are_cpu, per_shard
 
+# ``interpret=devices_are_cpu()`` below is read from the mesh the kernel is traced under, not from the model's
+# ``Matmuls``: interpreting a Pallas kernel is a property of the devices it runs on (a kernel cannot run
+# compiled on CPUs), not a choice of numerics.
 # The flash kernel masks causally by index, so each device runs it on whole sequences: batch and heads split,
 # the sequence not (attention over a split sequence is jaxtron.parallel.ring_attention's, with its own names).
 WHOLE_SEQ_Q_NAMES = ("act_batch", None, "act_heads", None)
