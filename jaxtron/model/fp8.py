@@ -33,6 +33,7 @@ from flax import nnx
 
 from jaxtron.model.fp8_blockwise import LETTER_NAMES, Blockwise, blockwise_project
 from jaxtron.model.projection import Matmuls, parse_spec
+from jaxtron.parallel.sharding import matmul_weight
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -84,7 +85,8 @@ class Recipe:
     def project(self, module, name: str, spec: str, x: jax.Array, **names) -> jax.Array:
         """``einsum(spec, x, module.<name>)`` (the weight cast to x's dtype) under this recipe, with the
         weight's amax history under ``delayed``; ``names``: blockwise's letter names (:meth:`blockwise`)."""
-        w = getattr(module, name)[...].astype(x.dtype)
+        weight = getattr(module, name)
+        w = matmul_weight(weight[...].astype(x.dtype), weight.get_metadata()["out_sharding"])
         hist = getattr(module, name + HISTORY_SUFFIX, None)
         return dense(spec, x, w, self.name, hist, self.margin,
                      self.blockwise(**names) if self.name == "blockwise" else None, self.matmuls)

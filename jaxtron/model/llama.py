@@ -33,7 +33,7 @@ from jaxtron.model.cache import KVCache, LayerCache, cache_mask
 from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
 from jaxtron.model.moe import MoE
 from jaxtron.model.projection import Matmuls
-from jaxtron.parallel.sharding import constrain
+from jaxtron.parallel.sharding import constrain, matmul_weight
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 
@@ -240,6 +240,9 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: [batch, seq, hidden] -> fp32 logits [batch, seq, vocab]."""
         x = self.final_norm(x)
-        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        if self.cfg.tie_embeddings:
+            head = matmul_weight(self.embed[...], ("vocab", "embed")).T
+        else:
+            head = matmul_weight(self.lm_head[...], ("embed", "vocab"))
         logits = self.matmuls.project("bsd,dv->bsv", x, head.astype(x.dtype), jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))

@@ -35,7 +35,7 @@ from jaxtron.parallel.context import balance, check_context
 from jaxtron.parallel.expert import check_expert
 from jaxtron.parallel.mesh import mesh_for
 from jaxtron.parallel.pipeline import PipelineSpec
-from jaxtron.parallel.rules import logical_rules
+from jaxtron.parallel.rules import active_overrides, logical_rules
 from jaxtron.parallel.sharding import logical_to_sharding, param_shardings, use_rules
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular")
@@ -137,6 +137,8 @@ class Layout:
     parallel: ParallelConfig
     mesh: Optional[Mesh] = None
     platform: Optional[str] = None
+    # ((logical name, mesh axes), ...) replacing the rules table's, as rules.overriding() gave them at build
+    rule_overrides: tuple = ()
 
     # ---------------------------------------------------------------------------------------- building
     @classmethod
@@ -157,7 +159,8 @@ class Layout:
         if platform is not None:
             check_expert(cfg, sizes[EXPERT], platform)
         dp = data_parallel_size(sizes)
-        return cls(sizes, cfg.train.global_batch_size, micro_batch_size(cfg, dp), cfg.parallel, None, platform)
+        return cls(sizes, cfg.train.global_batch_size, micro_batch_size(cfg, dp), cfg.parallel, None, platform,
+                   active_overrides())
 
     @classmethod
     def for_inference(cls, model_cfg: ModelConfig, parallel: ParallelConfig,
@@ -249,7 +252,7 @@ class Layout:
     # --------------------------------------------------------------------------------- rules, shardings
     @property
     def rules(self):
-        return logical_rules(self.parallel)
+        return logical_rules(self.parallel, dict(self.rule_overrides))
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:

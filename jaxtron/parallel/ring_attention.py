@@ -57,8 +57,14 @@ def sequence_attention(q, k, v, segment_ids: Optional[jax.Array], positions: Opt
     if ctx is None or ctx[1] is None:
         return attend(q, k, v, segment_ids, scale, positions)
     rules, mesh = ctx
-    exchange = _axes(mesh, logical_to_spec(("act_attn_head_exchange",), rules)[0])
-    split = _size(mesh, logical_to_spec(("act_attn_kv_heads",), rules)[0]) * _size(mesh, exchange)
+    # the axes as the arrays' specs resolve them: a name whose mesh axis an earlier name of the same array
+    # took (act_kv_seq moved onto an axis of act_batch) leaves that dimension whole
+    q_spec, kv_spec = logical_to_spec(Q_NAMES, rules), logical_to_spec(KV_NAMES, rules)
+    ring_axes, q_axes = _axes(mesh, kv_spec[1]), _axes(mesh, q_spec[1])
+    # the heads are exchanged for the sequence only over axes that split the sequence
+    exchange = tuple(a for a in _axes(mesh, logical_to_spec(("act_attn_head_exchange",), rules)[0])
+                     if a in ring_axes)
+    split = _size(mesh, kv_spec[2]) * _size(mesh, exchange)
     if k.shape[2] % split:
         # ulysses with fewer kv heads than context x tensor: repeat each kv head for its query group (exact:
         # GQA with repeated K/V is the same attention), so every rank gets whole kv heads
@@ -67,8 +73,11 @@ def sequence_attention(q, k, v, segment_ids: Optional[jax.Array], positions: Opt
         k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
     q = constrain(q, Q_NAMES)
     k, v = constrain(k, KV_NAMES), constrain(v, KV_NAMES)
-    ring_axes = _axes(mesh, logical_to_spec(("act_kv_seq",), rules)[0])
-    q_axes = _axes(mesh, logical_to_spec(("act_attn_seq",), rules)[0])
+    if ring_axes and ring_axes != q_axes:  # the ring pairs each rank's queries with its own K/V chunk
+        if flash is not None:
+            raise ValueError(f"attention: the rules split the queries' sequence over {q_axes} and K/V's over "
+                             f"{ring_axes}; the flash kernels need both over the same axes, or K/V whole")
+        return constrain(attend(q, k, v, segment_ids, scale, positions), Q_NAMES)  # as GSPMD partitions it
     if flash is not None and q_axes:
         return _flash_split(q, k, v, segment_ids, rules, mesh, q_axes, ring_axes, exchange, flash)
     if not ring_axes:

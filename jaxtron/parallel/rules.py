@@ -17,12 +17,27 @@ which mesh axes they are split over. Tensor (Megatron) and FSDP (ZeRO-3) paralle
   the sequence axis (``act_seq``, ``act_res_seq``) over ``context`` (context parallelism; inside attention
   the names of ``_ATTENTION_RULES`` say, per ``parallel.context_impl``, whether K and V are gathered, passed
   round a ring or exchanged for heads).
+
+A parameter axis and the activation axis it becomes in a matmul's output share a name, ``act_`` in front
+(``embed``/``act_embed``, ``heads``/``act_heads``, ``mlp``/``act_mlp``, ``vocab``/``act_vocab``):
+:func:`jaxtron.parallel.sharding.matmul_weight` reads the pairs.
+
+The table is a layout choice, never a numerical one: moving a name onto another mesh axis (or to replicated)
+moves no loss or gradient beyond fp32 reassociation. :func:`overriding` tries such a move without editing
+the table (``tests/test_sharding_invariance.py`` moves every name so)::
+
+    with rules.overriding({"act_embed": "tensor"}):   # the residual stream's hidden dim split over tensor
+        trainer = jaxtron.Trainer(cfg)                # its Layout keeps the override for its whole life
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Any, Iterator, Mapping, Optional
+
 from jaxtron.config.schema import ParallelConfig
-from jaxtron.parallel.axes import BATCH_SPLIT
+from jaxtron.parallel.axes import AXES, BATCH_SPLIT
 
 Rules = tuple[tuple[str, object], ...]
 
@@ -72,10 +87,52 @@ _ATTENTION_RULES: dict[str, Rules] = {
 }
 
 
-def logical_rules(parallel: ParallelConfig | None = None) -> Rules:
+def logical_rules(parallel: ParallelConfig | None = None,
+                  overrides: Optional[Mapping[str, Any]] = None) -> Rules:
     """The rules for a parallel config; ``sequence_parallel`` maps ``act_res_seq`` onto ``tensor``;
-    ``context_impl`` picks how attention reads a sequence split over ``context``."""
+    ``context_impl`` picks how attention reads a sequence split over ``context``. ``overrides`` maps logical
+    names onto other mesh axes (an axis, a tuple of axes, or None: replicated) in place of the table's."""
     sp = bool(parallel is not None and parallel.sequence_parallel)
     impl = parallel.context_impl if parallel is not None else "all_gather"
-    return (_PARAM_RULES + _ACTIVATION_RULES + _ATTENTION_RULES.get(impl, _ATTENTION_RULES["all_gather"])
-            + (("act_res_seq", ("context", "tensor") if sp else "context"),))
+    rules = (_PARAM_RULES + _ACTIVATION_RULES + _ATTENTION_RULES.get(impl, _ATTENTION_RULES["all_gather"])
+             + (("act_res_seq", ("context", "tensor") if sp else "context"),))
+    overrides = _checked(overrides or {})
+    return tuple((name, overrides.get(name, axes)) for name, axes in rules)
+
+
+def logical_names() -> tuple[str, ...]:
+    """Every logical axis name the table maps (for any ``sequence_parallel`` and ``context_impl``)."""
+    names = [n for n, _ in _PARAM_RULES + _ACTIVATION_RULES]
+    for rules in _ATTENTION_RULES.values():
+        names += [n for n, _ in rules if n not in names]
+    return tuple(names) + ("act_res_seq",)
+
+
+def _checked(overrides: Mapping[str, Any]) -> dict:
+    for name, axes in overrides.items():
+        if name not in logical_names():
+            raise ValueError(f"rule override: {name!r} is not a logical axis name of jaxtron/parallel/rules.py")
+        entries = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        bad = [a for a in entries if a not in AXES]
+        if bad or len(set(entries)) < len(entries):
+            raise ValueError(f"rule override {name}={axes!r}: mesh axes must be distinct names among {AXES}")
+    return dict(overrides)
+
+
+_OVERRIDES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxtron_rule_overrides", default=())
+
+
+@contextlib.contextmanager
+def overriding(overrides: Mapping[str, Any]) -> Iterator[None]:
+    """Layouts built inside this block (``Layout.build``/``planned``: so every Trainer, program and plan made
+    here) map the names of ``overrides`` onto its mesh axes instead of the table's, for their whole life."""
+    token = _OVERRIDES.set(tuple(_checked(overrides).items()))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def active_overrides() -> tuple[tuple[str, Any], ...]:
+    """The overrides of the enclosing :func:`overriding` block (empty outside one)."""
+    return _OVERRIDES.get()

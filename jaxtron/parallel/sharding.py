@@ -73,6 +73,44 @@ def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def _mesh_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def matmul_weight(w: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
+    """A weight as its matmul reads it: ``w`` (logical ``names``; the last ``w.ndim`` of them count, so a
+    scanned layer's slice may pass its stacked names) gathered over the mesh axes that split the tokens
+    (``act_batch``'s and ``act_seq``'s: ZeRO-3's ``fsdp`` and ``context``) along every axis whose activation
+    (``act_<name>``) the rules split too; otherwise ``w`` unchanged, as under the default rules.
+
+    ZeRO-3 gathers the weight before its matmul anyway; this says so because XLA's SPMD partitioner (jax
+    0.10.2 to at least 0.12.0.1, CPU and GPU) miscompiles the other way: a matmul whose rows are split over
+    two axes, say ``("data", "fsdp")``, whose weight's output axis is split over the minor one (``fsdp``) and
+    whose result puts that output axis on the contracted axis (``tensor``) returns the row blocks of two
+    devices swapped (docs/parallelism.md, "Moving a rule never changes the numbers"). With ``act_embed`` on
+    ``tensor`` every projection into the residual stream is such a matmul (layer 0's attention output came
+    out 96% wrong), and in the backward so is every input gradient flowing into it."""
+    ctx = current_context()
+    if ctx is None or ctx[1] is None:
+        return w
+    rules, mesh = ctx
+    names = tuple(names)[len(names) - w.ndim:]
+    tokens = {a for name in ("act_batch", "act_seq") for a in _mesh_axes(logical_to_spec((name,), rules)[0])}
+    spec = list(logical_to_spec(names, rules))
+    changed = False
+    for i, name in enumerate(names):
+        axes = _mesh_axes(spec[i])
+        if name is None or not tokens & set(axes) or logical_to_spec((f"act_{name}",), rules)[0] is None:
+            continue
+        kept = tuple(a for a in axes if a not in tokens)
+        spec[i], changed = (kept[0] if len(kept) == 1 else kept or None), True
+    if not changed:
+        return w
+    if hasattr(mesh, "devices"):
+        return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, PartitionSpec(*spec)))
+    return jax.lax.with_sharding_constraint(w, PartitionSpec(*spec))
+
+
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
