@@ -262,9 +262,19 @@ def _delayed(*overrides):
 def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
     """Per step each history shifts by one with the new amaxes in front; data 2 x fsdp 2 x tensor 2, two
     accumulation micro batches, and 2 pipeline stages x fsdp 2 under 1f1b (4 micro batches, whose loop keeps
-    the max of their amaxes) record the same global amaxes (a max, not a sum) and train the same."""
+    the max of their amaxes) record the same global amaxes (a max, not a sum) and train the same:
+    equal up to FP8 rounding flips, not to fp32's 1e-5: another layout reassociates fp32 sums (one device vs
+    data2 x fsdp2 x tensor2: the first RMSNorm's output differs in 2,538 of 8,192 elements, by <= 4.8e-7), and
+    an input within that of an e4m3/e5m2 rounding midpoint moves by a whole FP8 step. Measured on one device:
+    the embedding table and norm scales times 1 + r * 2^-23 (r in {-1, 0, 1}, numpy default_rng seeds 0-11;
+    the quantized matmuls' inputs move by an ulp, their weights not), 3 steps against the unperturbed run:
+    10 seeds moved the losses by <= 9e-8, 2 flipped one rounding: losses 1.4e-6, 4.5e-5, 7.6e-5 (the profile
+    a layout with that flip shows: 1.4e-6, 4.4e-5, 7.4e-5 was seen), step-1 amaxes up to 8.3e-3 (seed 6). The
+    tolerances allow about four flips; amaxes summed over shards instead of maxed are off by tens of percent
+    (model.fp8_margin=1, every scale doubled, moves the losses by only 2.7e-5: the amaxes tell a wrong scale)."""
     from helpers import synthetic_batch
     from jaxtron.train.trainer import Trainer, put_batch
+    loss_rtol, amax_rtol = 3e-4, 4e-2
 
     def run(cfg, devices, steps=3):
         trainer = Trainer(cfg, devices)
@@ -278,15 +288,15 @@ def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
         assert h.shape == (2, 3, 3) and np.all(h > 0), name
         np.testing.assert_array_equal(h[:, 1:], hists[-2][name][:, :-1])  # rolled by one step
         np.testing.assert_array_equal(hists[0][name][:, 1:], 0)
-    for overrides, devices in ((("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), jax.devices()),
-                               (("parallel.data=1", "train.micro_batch_size=4"), jax.devices()[:1]),
-                               (("parallel.data=1", "parallel.stage=2", "parallel.fsdp=2", "train.micro_batch_size=2"),
-                                jax.devices()[:4])):
+    for layout, overrides, devices in (
+            ("data2-fsdp2-tensor2", ("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), jax.devices()),
+            ("accumulation2", ("parallel.data=1", "train.micro_batch_size=4"), jax.devices()[:1]),
+            ("stage2-fsdp2-1f1b", ("parallel.data=1", "parallel.stage=2", "parallel.fsdp=2",
+                                   "train.micro_batch_size=2"), jax.devices()[:4])):
         other_losses, other = run(_delayed(*overrides), devices)
-        np.testing.assert_allclose(other_losses, losses, rtol=1e-5)
-        # after two steps (later, fp32 differences of 1e-7 in a scale start moving e4m3 roundings by 2^-4)
-        for name in hists[1]:
-            np.testing.assert_allclose(other[1][name], hists[1][name], rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(other_losses, losses, rtol=loss_rtol, err_msg=f"{layout}: losses")
+        for name in hists[0]:  # the amaxes step 1 recorded (row 0; the rest is the empty history)
+            np.testing.assert_allclose(other[0][name], hists[0][name], rtol=amax_rtol, err_msg=f"{layout}: {name}")
 
 
 def test_delayed_scaling_resumes_exactly_and_on_another_mesh(tmp_path):
