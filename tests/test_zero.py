@@ -44,8 +44,10 @@ def test_bad_zero_is_one_line_error():
 
 
 @pytest.mark.parametrize("overrides", [("parallel.data=4", "parallel.fsdp=2", "parallel.zero=1"),
-                                       ("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.zero=2")],
-                         ids=["data4-fsdp2-zero1", "data2-fsdp2-tensor2-zero2"])
+                                       # with accumulation: the accumulator is split over data too
+                                       ("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.zero=2",
+                                        "train.micro_batch_size=1")],
+                         ids=["data4-fsdp2-zero1", "data2-fsdp2-tensor2-zero2-accum2"])
 def test_zero_matches_single_device(reference, overrides):
     got, trainer = _run(config(*overrides), jax.devices())
     assert_same_training(got, reference)

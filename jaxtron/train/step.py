@@ -127,14 +127,20 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
             (_, out), grads = grad_fn(params, batch)
             return out, grads
 
+        # ZeRO-2 keeps the accumulator split over data too, so each micro batch's gradient is reduce-scattered
+        # into its shard instead of all-reduced whole
+        acc_sh = spec.moment_shardings if cfg.parallel.zero >= 2 else spec.param_shardings
+
         def body(carry, micro):
             g_acc, ce_acc, n_acc, aux_acc = carry
             (_, (ce, n, aux)), g = grad_fn(params, micro)
-            return (spec.histories.accumulate(g_acc, g), ce_acc + ce, n_acc + n,
-                    jax.tree.map(jnp.add, aux_acc, aux)), None
+            g_acc = spec.histories.accumulate(g_acc, g)
+            if cfg.parallel.zero >= 2:
+                g_acc = jax.lax.with_sharding_constraint(g_acc, acc_sh)
+            return (g_acc, ce_acc + ce, n_acc + n, jax.tree.map(jnp.add, aux_acc, aux)), None
 
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
-                             params, spec.param_shardings)
+                             params, acc_sh)
         micro = split_micro(batch, accum)
         aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),  # the aux sums, from the loss's trace
                             jax.eval_shape(sums, params, jax.tree.map(lambda x: x[0], micro))[1][2])
