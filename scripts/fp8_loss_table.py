@@ -13,40 +13,10 @@ the run, the held-out loss at the end, and its difference from the first row (th
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
-
-def run(out: str, dtype: str, recipe: str, steps: int, eval_batches: int, seed: int = 0) -> str:
-    out_dir = os.path.join(out, f"{dtype}_{recipe}")
-    cmd = [sys.executable, "-m", "jaxtron.train", f"train.output_dir={out_dir}", "checkpoint.enabled=false",
-           f"model.dtype={dtype}", f"model.fp8={recipe}", f"train.steps={steps}", f"train.eval_every={steps}",
-           f"train.eval_batches={eval_batches}", f"train.seed={seed}", "logging.progress=false",
-           "logging.tensorboard=false"]
-    print(" ".join(cmd[1:]), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return os.path.join(out_dir, "metrics.jsonl")
-
-
-def summary(metrics_path: str, steps: int) -> dict:
-    rows = [json.loads(line) for line in open(metrics_path)]
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    tail = [loss for step, loss in train if step > steps - steps // 5 - 1]
-    held_out = [r["eval_loss"] for r in rows if "eval_loss" in r and r["step"] == steps]
-    return {"train": train[-1][1], "train_tail_mean": sum(tail) / len(tail), "held_out": held_out[-1]}
-
-
-def table(results: list[tuple[str, str, dict]]) -> str:
-    base = results[0][2]["held_out"]
-    lines = ["| `model.dtype` | `model.fp8` | train loss, last step | mean of the logged train losses, last fifth "
-             "| held-out loss, last step | held-out vs first row |", "|---|---|---|---|---|---|"]
-    for i, (dtype, recipe, s) in enumerate(results):
-        delta = "" if i == 0 else f"{100 * (s['held_out'] / base - 1):+.1f}%"
-        lines.append(f"| {dtype} | {recipe} | {s['train']:.4f} | {s['train_tail_mean']:.4f} | {s['held_out']:.4f} "
-                     f"| {delta} |")
-    return "\n".join(lines)
+from loss_runs import run, summary, table, write_table
 
 
 def main(argv=None) -> int:
@@ -62,12 +32,11 @@ def main(argv=None) -> int:
     results = []
     for dtype in args.dtypes:
         for recipe in args.recipes:
-            path = run(args.out, dtype, recipe, args.steps, args.eval_batches, args.seed)
+            overrides = [f"model.dtype={dtype}", f"model.fp8={recipe}"]
+            path, _ = run(os.path.join(args.out, f"{dtype}_{recipe}"), overrides, args.steps, args.eval_batches,
+                          args.seed)
             results.append((dtype, recipe, summary(path, args.steps)))
-    md = table(results)
-    print(md)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(md + "\n")
+    write_table(args.out, table(("`model.dtype`", "`model.fp8`"), results))
     return 0
 
 

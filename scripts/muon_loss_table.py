@@ -15,42 +15,10 @@ held-out loss at the end (``--eval-batches`` batches) and its difference from th
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import time
 
-
-def run(out: str, name: str, lr: str, steps: int, eval_batches: int, seed: int) -> tuple[str, float]:
-    out_dir = os.path.join(out, f"{name}_{lr}")
-    cmd = [sys.executable, "-m", "jaxtron.train", f"train.output_dir={out_dir}", "checkpoint.enabled=false",
-           f"optim.name={name}", f"optim.lr={lr}", f"train.steps={steps}", f"train.eval_every={steps}",
-           f"train.eval_batches={eval_batches}", f"train.seed={seed}", "logging.progress=false",
-           "logging.tensorboard=false"]
-    print(" ".join(cmd[1:]), file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return os.path.join(out_dir, "metrics.jsonl"), time.perf_counter() - start
-
-
-def summary(metrics_path: str, steps: int) -> dict:
-    rows = [json.loads(line) for line in open(metrics_path)]
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    tail = [loss for step, loss in train if step > steps - steps // 5 - 1]
-    held_out = [r["eval_loss"] for r in rows if "eval_loss" in r and r["step"] == steps]
-    return {"train": train[-1][1], "train_tail_mean": sum(tail) / len(tail), "held_out": held_out[-1]}
-
-
-def table(results: list[tuple[str, str, dict]]) -> str:
-    base = results[0][2]["held_out"]
-    lines = ["| `optim.name` | `optim.lr` | train loss, last step | mean of the logged train losses, last fifth "
-             "| held-out loss, last step | held-out vs first row |", "|---|---|---|---|---|---|"]
-    for i, (name, lr, s) in enumerate(results):
-        delta = "" if i == 0 else f"{100 * (s['held_out'] / base - 1):+.1f}%"
-        lines.append(f"| {name} | {lr} | {s['train']:.4f} | {s['train_tail_mean']:.4f} | {s['held_out']:.4f} "
-                     f"| {delta} |")
-    return "\n".join(lines)
+from loss_runs import run, summary, table, write_table
 
 
 def main(argv=None) -> int:
@@ -64,13 +32,12 @@ def main(argv=None) -> int:
     results = []
     for item in args.runs:
         name, _, lr = item.partition(":")
-        path, seconds = run(args.out, name, lr or "1e-3", args.steps, args.eval_batches, args.seed)
+        lr = lr or "1e-3"
+        path, seconds = run(os.path.join(args.out, f"{name}_{lr}"), [f"optim.name={name}", f"optim.lr={lr}"],
+                            args.steps, args.eval_batches, args.seed)
         print(f"{item}: {seconds:.0f} s", file=sys.stderr, flush=True)
-        results.append((name, lr or "1e-3", summary(path, args.steps)))
-    md = table(results)
-    print(md)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(md + "\n")
+        results.append((name, lr, summary(path, args.steps)))
+    write_table(args.out, table(("`optim.name`", "`optim.lr`"), results))
     return 0
 
 
