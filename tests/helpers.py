@@ -132,6 +132,27 @@ def moe_training_record(cfg, devices, metrics: tuple[str, ...]):
     return record, trainer
 
 
+def training_record_with_params(cfg, devices, steps: int = 3):
+    """:func:`training_record` plus the parameters after the steps (``record["params"]``, float64), and the
+    trainer: for optimizers and optimizer-state layouts, which the gradients alone cannot check."""
+    import jax
+    import numpy as np
+
+    record, trainer = _record(cfg, devices, steps, 0, 1, ())
+    record["params"] = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(trainer.state["params"]))
+    return record, trainer
+
+
+def assert_same_params(actual, expected, rtol: float) -> None:
+    """Every parameter leaf of two trees agrees (relative L2 error), naming the first that does not."""
+    import jax
+    import numpy as np
+
+    for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(actual)):
+        err = np.linalg.norm(a - e) / np.linalg.norm(e)
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative parameter difference {err:.1e}"
+
+
 def _record(cfg, devices, steps: int, batch_seed: int, documents: int, metrics: tuple[str, ...]):
     import jax
     import numpy as np

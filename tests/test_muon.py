@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import NONZERO_LR, assert_same_training, synthetic_batch, tiny_config
+from helpers import NONZERO_LR, assert_same_params, assert_same_training, tiny_config, training_record_with_params
 from jaxtron.config import ConfigError, OptimConfig
 from jaxtron.train.muon import dimension_numbers, labels
 from jaxtron.train.optimizer import make_optimizer
-from jaxtron.train.trainer import Trainer, put_batch
 
 NS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic coefficients, optax's default
 
@@ -119,27 +118,6 @@ def test_bad_name_is_one_line_error():
         tiny_config("optim.name=sgd")
 
 
-def _run(cfg, devices, steps=3):
-    """Per-leaf gradients at init, then losses, gradient norms and the params after ``steps`` steps."""
-    trainer = Trainer(cfg, devices)
-    batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
-    grads, m = trainer.gradients(batch)
-    record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
-              "grad_norm0": float(m["grad_norm"]), "losses": [], "grad_norms": []}
-    for _ in range(steps):
-        m = trainer.step(batch)
-        record["losses"].append(float(m["loss"]))
-        record["grad_norms"].append(float(m["grad_norm"]))
-    record["params"] = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(trainer.state["params"]))
-    return record
-
-
-def _assert_same_params(actual, expected, rtol):
-    for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(actual)):
-        err = np.linalg.norm(a - e) / np.linalg.norm(e)
-        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative parameter difference {err:.1e}"
-
-
 MOE = ("model.moe.num_experts=4", "model.moe.num_experts_per_token=2", "model.moe.expert_intermediate_size=32")
 LAYOUTS = {
     "dense-data2-fsdp2-tensor2": ((), ("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2")),
@@ -152,7 +130,7 @@ LAYOUTS = {
 def test_layout_matches_single_device(name):
     model, layout = LAYOUTS[name]
     base = ("optim.name=muon", *model, *NONZERO_LR)
-    expected = _run(tiny_config(*base, "parallel.data=1"), jax.devices()[:1])
-    got = _run(tiny_config(*base, *layout), jax.devices())
+    expected = training_record_with_params(tiny_config(*base, "parallel.data=1"), jax.devices()[:1])[0]
+    got = training_record_with_params(tiny_config(*base, *layout), jax.devices())[0]
     assert_same_training(got, expected, rtol=1e-5)
-    _assert_same_params(got["params"], expected["params"], rtol=1e-5)
+    assert_same_params(got["params"], expected["params"], rtol=1e-5)
