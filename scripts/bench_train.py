@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     out = {
         "devices": n, "device_kind": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
         "mesh": dict(run.layout.sizes), "dtype": config_lib.compute_dtype(cfg.model), "remat": cfg.model.remat,
+        "attention_impl": cfg.model.attention_impl,
         "global_batch_size": t.global_batch_size, "seq_len": seq, "documents_per_row": args.documents,
         "accumulation_steps": run.layout.accumulation_steps,
         "pipeline": ({"stages": run.layout.stages, "schedule": cfg.parallel.pipeline_schedule,

@@ -1,8 +1,17 @@
 """One command for a machine with one GPU: kernel checks, kernel benchmarks, training steps and the planner's
 predictions for the same steps, written as one JSON and one markdown table.
 
-    python scripts/gpu_report.py --out runs/gpu_report            # about 20 minutes on one H100
+    python scripts/gpu_report.py --out runs/gpu_report            # 8 minutes; again to go on (about 20 in all)
+    python scripts/gpu_report.py --out runs/gpu_report --budget 300
     python scripts/gpu_report.py --out /tmp/r --tiny               # the tiny model: the CPU path, in a minute
+
+A GPU is lent in short slots (minutes, start-up included), so the report runs in calls: each call has a time
+budget (``--budget`` seconds, default 480), runs the parts still to do in order of value, writes report.json
+and report.md as each part ends, and stops when the budget is spent; the next call with the same ``--out``
+continues where the last stopped (``--fresh`` starts over). A part cut short by the budget runs again next
+call; one that failed or hit its own ``--timeout`` is recorded and not retried. Order of value: the training
+steps beside the planner's predictions (4, 5), the kernels never timed on a GPU (2, 3: Mosaic attention,
+grouped matmul, the FP8 GEMMs), the GEMM table, the kernel check (1).
 
 Parts, each a subprocess with its own time limit (a part that fails or times out is recorded, and the rest
 still run):
@@ -39,7 +48,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECISIONS = ("none", "current", "delayed", "blockwise")
-# one GPU: no parallelism, bf16, the attention kernel the trainer would pick on Hopper
+# one GPU: no parallelism, bf16, cuDNN attention (the configs' default, xla, materializes the scores)
 MODELS = {
     "llama3.2-1b": ["model.vocab_size=128256", "model.hidden_size=2048", "model.num_layers=16",
                     "model.num_heads=32", "model.num_kv_heads=8", "model.intermediate_size=8192",
@@ -49,7 +58,7 @@ MODELS = {
                           "train.global_batch_size=2", "model.remat=save_dots"],
 }
 ONE_GPU = ["parallel.data=1", "parallel.fsdp=1", "parallel.tensor=1", "model.dtype=bfloat16",
-           "train.micro_batch_size=null"]
+           "train.micro_batch_size=null", "model.attention_impl=cudnn"]
 TINY = {"tiny": []}
 
 
@@ -60,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--attention-impls", nargs="+", default=["pallas", "mosaic", "cudnn", "xla"])
     p.add_argument("--timeout", type=int, default=600, help="seconds per part")
+    p.add_argument("--budget", type=float, default=480,
+                   help="seconds for this call; parts left over run on the next call with the same --out")
+    p.add_argument("--fresh", action="store_true", help="start over instead of continuing --out's report")
     return p.parse_args(argv)
 
 
@@ -76,13 +88,12 @@ def _gpu_name(kind: str) -> str | None:
     return "h200" if "h200" in k else "h100" if "h100" in k else "a100_80gb" if "a100" in k else None
 
 
-def run_part(name: str, argv: list[str], timeout: int, env: dict | None = None) -> dict:
-    """Run one part; its result is the JSON object(s) it printed (last line, or every line for kernel rows)."""
+def run_part(name: str, argv: list[str], timeout: float) -> dict:
+    """Run one part; its result is the JSON object it printed last."""
     t0 = time.perf_counter()
     part = {"part": name, "command": " ".join(argv)}
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**os.environ, **(env or {})})
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {**part, "status": "timeout", "seconds": round(time.perf_counter() - t0, 1)}
     part["seconds"] = round(time.perf_counter() - t0, 1)
@@ -96,40 +107,77 @@ def skipped(name: str, why: str) -> dict:
     return {"part": name, "status": "skipped", "reason": why}
 
 
-def parts(args, platform: str, kind: str) -> list[dict]:
+def planned(args, platform: str, kind: str) -> list[tuple[str, object]]:
+    """Every part in order of value: (name, plan), where plan(done) gives the part's argv, or a dict (the part's
+    record) when it does not run here; ``done`` is the parts recorded so far, this call's and earlier calls'."""
     py = sys.executable
-    out = []
     no_gpu = f"needs a GPU (this machine's JAX platform is {platform})"
-    kernels = [py, "scripts/bench_kernels.py", "--json"]
-    gpu_parts = [("kernel-check", kernels + ["--check", "--seq", "2048"]),
-                 ("attention", kernels + ["--seq", "4096", "8192", "--packed", "--attention-only",
-                                          "--impls", *args.attention_impls]),
-                 ("grouped-matmul", kernels + ["--gmm"]),
-                 ("fp8-gemm", kernels + ["--fp8"])]
-    for name, argv in gpu_parts:
-        out.append(run_part(name, argv, args.timeout) if platform == "gpu" else skipped(name, no_gpu))
-    # the GEMM table: measured on a GPU and handed to the planner parts below; --tiny on CPU runs the script's
-    # small-shape path (a CPU's GEMMs say nothing of a GPU's, so the planner does not take that table)
     table = os.path.join(args.out, "gemm_table.json")
-    gemm = [py, "scripts/gemm_table.py", "--out", table] + (["--tiny"] if args.tiny else [])
-    out.append(run_part("gemm-table", gemm, args.timeout) if platform == "gpu" or args.tiny
-               else skipped("gemm-table", no_gpu))
-    measured = ["--gemm-table", table] if platform == "gpu" and out[-1]["status"] == "ok" else []
+
+    def gpu_only(name, argv):
+        return lambda done: argv if platform == "gpu" else skipped(name, no_gpu)
+
+    def measured_table(done):  # a table measured on this GPU by an earlier call; a CPU's says nothing of a GPU's
+        ok = done.get("gemm-table", {}).get("status") == "ok"
+        return ["--gemm-table", table] if platform == "gpu" and ok and os.path.exists(table) else []
+
+    out = []
     models = TINY if args.tiny else MODELS
     steps = ["--steps", "2", "--warmup", "0"] if args.tiny else ["--steps", "10", "--warmup", "2"]
     gpu = _gpu_name(kind) or "h100"
-    for model, overrides in models.items():
-        one = [] if args.tiny else ONE_GPU
-        for fp8 in args.precisions:
-            run = overrides + one + [f"model.fp8={fp8}"]
-            out.append(run_part(f"train/{model}/{fp8}", [py, "scripts/bench_train.py", "--json", *steps, *run],
-                                args.timeout))
-            plan = run_part(f"plan/{model}/{fp8}", [py, "-m", "jaxtron.plan", "--json", "--gpu", gpu,
-                                                    "--num-gpus", "1", *measured, *run], args.timeout)
-            if plan["status"] == "failed" and "plugin" in plan.get("stderr_tail", ""):  # no XLA:GPU compiler
-                plan = skipped(plan["part"], _note(plan))
-            out.append(plan)
+    # bf16 rows of every model first, then each FP8 recipe
+    for fp8 in args.precisions:
+        for model, overrides in models.items():
+            run = overrides + ([] if args.tiny else ONE_GPU) + [f"model.fp8={fp8}"]
+            out.append((f"train/{model}/{fp8}",
+                        lambda done, run=run: [py, "scripts/bench_train.py", "--json", *steps, *run]))
+            out.append((f"plan/{model}/{fp8}",
+                        lambda done, run=run: [py, "-m", "jaxtron.plan", "--json", "--gpu", gpu, "--num-gpus", "1",
+                                               *measured_table(done), *run]))
+    kernels = [py, "scripts/bench_kernels.py", "--json"]
+    out.append(("attention", gpu_only("attention", kernels + ["--seq", "4096", "8192", "--packed", "--attention-only",
+                                                              "--impls", *args.attention_impls])))
+    out.append(("grouped-matmul", gpu_only("grouped-matmul", kernels + ["--gmm"])))
+    out.append(("fp8-gemm", gpu_only("fp8-gemm", kernels + ["--fp8"])))
+    # measured on a GPU, the planner's GEMM table (for the plan parts of later calls); --tiny on CPU runs the
+    # script's small-shape path
+    gemm = [py, "scripts/gemm_table.py", "--out", table] + (["--tiny"] if args.tiny else [])
+    out.append(("gemm-table", lambda done: gemm if platform == "gpu" or args.tiny else skipped("gemm-table", no_gpu)))
+    out.append(("kernel-check", gpu_only("kernel-check", kernels + ["--check", "--seq", "2048"])))
     return out
+
+
+def run_parts(args, report: dict, write) -> list[str]:
+    """Run the parts not yet done within ``--budget`` seconds, recording each as it ends; returns the names left."""
+    t0 = time.perf_counter()
+    call = len(report["calls"])
+    done = {p["part"]: p for p in report["parts"]}
+    left = []
+    parts = planned(args, report["environment"]["platform"], report["environment"]["device_kind"])
+    order = {name: i for i, (name, _) in enumerate(parts)}
+    for name, plan in parts:
+        if name in done and not done[name].get("cut_by_budget"):
+            continue
+        argv = plan(done)
+        remaining = args.budget - (time.perf_counter() - t0)
+        if isinstance(argv, dict):
+            part = argv
+        elif remaining <= 0:
+            left.append(name)
+            continue
+        else:
+            part = run_part(name, argv, min(args.timeout, remaining))
+            if part["status"] == "timeout" and remaining < args.timeout:
+                part["cut_by_budget"] = True
+                left.append(name)
+            if name.startswith("plan/") and part["status"] == "failed" and "plugin" in part.get("stderr_tail", ""):
+                part = skipped(name, _note(part))  # no XLA:GPU compiler on this machine
+        part["call"] = call
+        done[name] = part
+        report["parts"] = sorted([p for p in report["parts"] if p["part"] != name] + [part],
+                                 key=lambda p: order.get(p["part"], len(order)))
+        write(report)
+    return left
 
 
 def _fmt(x) -> str:
@@ -156,10 +204,12 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     md = [f"# GPU report: {env['device_kind']} ({env['platform']})", "",
           f"jax {env['jax']}, {env['date']}; `python scripts/gpu_report.py {' '.join(env['argv'])}`; the planner "
-          f"predicts one {env['planner_gpu']}.", "",
+          f"predicts one {env['planner_gpu']}; {len(report['calls'])} call(s) with budgets of "
+          f"{', '.join(str(round(c['budget_s'])) for c in report['calls'])} s.", "",
           "## Parts", ""]
-    md += _table([{"part": p["part"], "status": p["status"], "seconds": p.get("seconds"), "note": _note(p)}
-                  for p in report["parts"]], ["part", "status", "seconds", "note"])
+    md += _table([{"part": p["part"], "status": "cut by the budget" if p.get("cut_by_budget") else p["status"],
+                   "call": p.get("call"), "seconds": p.get("seconds"), "note": _note(p)}
+                  for p in report["parts"]], ["part", "status", "call", "seconds", "note"])
     by = {p["part"]: p for p in report["parts"]}
     for name in ("kernel-check", "attention", "grouped-matmul", "fp8-gemm"):
         rows = (by[name].get("result") or {}).get("rows") if name in by else None
@@ -194,18 +244,43 @@ def main(argv=None) -> int:
     import jax
 
     os.makedirs(args.out, exist_ok=True)
-    report = {"environment": {"platform": platform, "device_kind": kind, "jax": jax.__version__,
-                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                              "argv": sys.argv[1:] if argv is None else list(argv),
-                              "planner_gpu": _gpu_name(kind) or "h100"},
-              "parts": parts(args, platform, kind)}
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(markdown(report))
-    bad = [p["part"] for p in report["parts"] if p["status"] in ("failed", "timeout")]
-    print(f"wrote {args.out}/report.json and report.md; {len(report['parts'])} parts"
-          + (f", failed: {', '.join(bad)}" if bad else ""))
+    path = os.path.join(args.out, "report.json")
+    environment = {"platform": platform, "device_kind": kind, "jax": jax.__version__,
+                   "argv": sys.argv[1:] if argv is None else list(argv), "planner_gpu": _gpu_name(kind) or "h100"}
+    report = {"environment": environment, "calls": [], "parts": []}
+    if os.path.exists(path) and not args.fresh:
+        try:
+            with open(path) as f:
+                report = json.load(f)
+            earlier = report["environment"]
+            if not isinstance(report["calls"], list) or not isinstance(report["parts"], list):
+                raise ValueError("no calls and parts lists")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"gpu_report: {path} is not a report to continue ({err}); pass --fresh to start over",
+                  file=sys.stderr)
+            return 2
+        if (earlier["platform"], earlier["device_kind"], earlier["jax"]) != (platform, kind, jax.__version__):
+            print(f"gpu_report: {path} was measured on {earlier['device_kind']} with jax {earlier['jax']}, this is "
+                  f"{kind} with jax {jax.__version__}; pass --fresh to start over", file=sys.stderr)
+            return 2
+    report["calls"].append({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "budget_s": args.budget,
+                            "argv": environment["argv"]})
+    report["environment"]["date"] = report["calls"][0]["date"]
+
+    def write(rep):
+        for name, text in (("report.json", json.dumps(rep, indent=1)), ("report.md", markdown(rep))):
+            tmp = os.path.join(args.out, name + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, os.path.join(args.out, name))
+
+    left = run_parts(args, report, write)
+    write(report)
+    bad = [p["part"] for p in report["parts"] if p["status"] in ("failed", "timeout") and not p.get("cut_by_budget")]
+    finished = sum(not p.get("cut_by_budget") for p in report["parts"])
+    print(f"wrote {args.out}/report.json and report.md; {finished} parts done"
+          + (f", failed: {', '.join(bad)}" if bad else "")
+          + (f"; budget spent, {len(left)} left (call again with the same --out): {', '.join(left)}" if left else ""))
     return 1 if bad else 0
 
 
