@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import re
 from typing import Optional, Sequence
 
 import jax
@@ -26,8 +27,25 @@ def cuda_plugin_version() -> Optional[str]:
         return None
 
 
+def release(version: str) -> tuple[int, ...]:
+    """The dotted numeric release of a version string: '0.12.0.1' -> (0, 12, 0, 1), '0.10.2.dev1+cuda' -> (0, 10,
+    2). The part jaxlib compares when it decides whether to load a plugin (jaxlib/plugin_support.py)."""
+    m = re.match(r"[0-9]+(?:\.[0-9]+)*", version)
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def jaxlib_version() -> str:
+    import jaxlib
+
+    return getattr(jaxlib, "__version__", None) or importlib.metadata.version("jaxlib")
+
+
 def cuda_plugin_matches() -> bool:
-    return cuda_plugin_version() == jax.__version__
+    """Whether jaxlib will load the installed plugin: the same release as jaxlib (jax 0.12.0.1 ships jaxlib 0.12.0.1
+    and needs plugin 0.12.0.1; 0.12.0 is refused, so the planner says so rather than fail later). Local and
+    pre-release suffixes are not compared, as jaxlib does not compare them."""
+    v = cuda_plugin_version()
+    return v is not None and release(v) == release(jaxlib_version())
 
 
 def topology_string(num_gpus: int, gpus_per_node: int) -> str:
@@ -46,11 +64,12 @@ def target_devices(gpu: GpuSpec, num_gpus: int, backend: str = "auto") -> tuple[
     if backend in ("auto", "gpu"):
         if not cuda_plugin_matches():
             v = cuda_plugin_version()
-            have = f"jax-cuda12-plugin {v} does not match jax {jax.__version__}" if v else \
+            want = jaxlib_version()
+            have = f"jax-cuda12-plugin {v} does not match jaxlib {want}" if v else \
                 "jax-cuda12-plugin is not installed"
             raise CompilerUnavailable(
                 f"the planner needs the XLA:GPU compiler ({have}): install it with {INSTALL} (or pip install "
-                f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}); --backend cpu gives "
+                f"jax-cuda12-plugin=={want} jax-cuda12-pjrt=={want}); --backend cpu gives "
                 "indicative CPU-compiler figures instead")
         shape = topology_string(num_gpus, gpu.gpus_per_node)
         try:
