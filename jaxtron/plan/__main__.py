@@ -2,6 +2,10 @@
 
 Compiles the train step ahead of time for a cluster of GPUs (no GPU needed) and prints per device memory,
 FLOPs, collective traffic and a roofline step time and MFU. See jaxtron/plan/report.py and model.py.
+
+python -m jaxtron.plan --hlo FILE [--memory-json FILE] --gpu h100 --num-gpus N [--config X] [overrides]
+judges an optimized XLA:GPU module compiled elsewhere (a peer's train step) by the same analysis, without
+compiling; the config describes its model, batch, sequence and mesh (jaxtron/plan/hlo_report.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="RECIPE", help="--search: also try these model.fp8 recipes (FP8 changes the numerics, "
                                           "so by default every candidate keeps the config's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--hlo", metavar="FILE", help="plan this optimized XLA:GPU module instead of compiling jaxtron's "
+                                                 "train step (compiled.as_text(), .txt or .txt.gz; a peer's "
+                                                 "program): the config and overrides describe its model, batch, "
+                                                 "sequence and mesh")
+    p.add_argument("--memory-json", metavar="FILE", help="--hlo: the compile's memory analysis (a JSON object of "
+                                                         "argument/output/alias/temp_size_in_bytes), for its peak")
     p.add_argument("--moe-gemm", choices=("as_compiled", "grouped"), default="as_compiled",
                    help="MoE: the routed experts' matmuls in the roofline: as compiled (ragged_dot's masked dense "
                         "fallback, E x the FLOPs) or a grouped-GEMM kernel (active FLOPs; not built). The plan "
@@ -69,30 +79,45 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:8.2f} GiB"
 
 
-def _print_plan(r: dict) -> None:
-    mem, roof, fl = r["memory"], r["roofline"], r["flops"]
-    print(f"{r['gpu_description']} x {r['num_gpus']} ({r['nodes']} node(s)), compiler {r['compiler']} "
-          f"({r['compile_s']:.1f} s)")
-    print(f"mesh {r['layout']}; global batch "
-          f"{r['global_batch_size']} x seq {r['seq_len']}, micro batch {r['micro_batch_size']}, "
-          f"{r['accumulation_steps']} accumulation step(s), remat={r['remat']}, attention={r['attention_impl']}")
+def _print_memory(mem) -> None:
     print("\nmemory per device")
-    print(f"  parameters          {_gib(mem['params'])}")
-    print(f"  optimizer state     {_gib(mem['optimizer'])}")
-    print(f"  gradients           {_gib(mem['grads'])}   (part of temp)")
-    print(f"  activations + temp  {_gib(mem['activations_and_temp'])}   (temp {_gib(mem['temp']).strip()} "
-          f"less gradients)")
+    if mem is None:
+        print("  peak                unknown (no --memory-json: the module's text does not say it)")
+        return
+    if "params" in mem:  # jaxtron's own compile: the state's share is known
+        print(f"  parameters          {_gib(mem['params'])}")
+        print(f"  optimizer state     {_gib(mem['optimizer'])}")
+        print(f"  gradients           {_gib(mem['grads'])}   (part of temp)")
+        print(f"  activations + temp  {_gib(mem['activations_and_temp'])}   (temp {_gib(mem['temp']).strip()} "
+              f"less gradients)")
+    else:
+        print(f"  arguments           {_gib(mem['arguments'])}   (outputs {_gib(mem['outputs']).strip()}, "
+              f"{_gib(mem['aliased']).strip()} of them aliased to arguments)")
+        print(f"  temp                {_gib(mem['temp'])}")
     print(f"  peak                {_gib(mem['peak'])}   ({mem['peak_from']})")
     verdict = "FITS" if mem["fits"] else "DOES NOT FIT"
     print(f"  usable              {_gib(mem['usable'])}   ({mem['mem_fraction']:.0%} of "
           f"{mem['device_memory'] / 2**30:.2f} GiB): {verdict}, "
           f"{'headroom' if mem['fits'] else 'short by'} {abs(mem['headroom']) / 2**30:.2f} GiB")
+
+
+def _print_plan(r: dict) -> None:
+    roof, fl = r["roofline"], r["flops"]
+    compiled = (f"module {r['hlo_file']} ({r['compiler']})" if r.get("source") == "hlo"
+                else f"compiler {r['compiler']} ({r['compile_s']:.1f} s)")
+    print(f"{r['gpu_description']} x {r['num_gpus']} ({r['nodes']} node(s)), {compiled}")
+    print(f"mesh {r['layout']}; global batch "
+          f"{r['global_batch_size']} x seq {r['seq_len']}, micro batch {r['micro_batch_size']}, "
+          f"{r['accumulation_steps']} accumulation step(s), remat={r['remat']}, attention={r['attention_impl']}")
+    _print_memory(r["memory"])
     _print_params_and_moe(r)
     print("\nFLOPs per step (Megatron formula)")
     print(f"  model, full attention    {fl['model_flops_per_step']:.3e}  "
           f"({fl['model_flops_per_device']:.3e} per device)")
     print(f"  model, causal (s^2 / 2)  {fl['model_flops_per_step_causal']:.3e}")
     print(f"  executed per device      {fl['hardware_flops_per_device']:.3e}  (causal; x4/3 when model.remat=full)")
+    print(f"  dots in the HLO          {fl['matmul_flops_per_device_hlo']:.3e} per device, "
+          f"{fl['dot_over_model_flops']:.2f} x the model's (kernels' matmuls not among them)")
     print("\ncollectives per device per step (optimized HLO, loop bodies x trip count)")
     print(f"  {'kind':20s} {'ops':>5s} {'runs':>8s} {'result bytes':>14s} {'wire bytes':>14s} {'time':>9s}")
     for kind, c in r["collectives"].items():
@@ -135,6 +160,9 @@ def _print_step_model(sm: dict) -> None:
     for w in sm.get("longest_waits", [])[:3]:
         served = f"serves {w['op']}" if w["op"] else "unattributed: XLA's metadata names no op"
         print(f"    waits {_secs(w['seconds'])} per step on {w['collective']} {w['instruction']} ({served})")
+    k = sm["kernels_per_step"]
+    print(f"  kernels per step {k['total']:.0f}: {k['fusions']:.0f} fusions, {k['custom_calls']:.0f} custom calls, "
+          f"{k['other']:.0f} other (collectives not counted)")
     print(f"  step time {_secs(sm['step_time_s'])}, {sm['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {sm['mfu']:.1%} "
           "(full attention FLOPs): a prediction")
 
@@ -214,7 +242,49 @@ def _bad_argument(args) -> str | None:
         v = getattr(args, name)
         if v is not None and not 0 < v <= 1:
             return f"--{name.replace('_', '-')}: must be in (0, 1], got {v}"
+    if args.memory_json and not args.hlo:
+        return "--memory-json goes with --hlo (a compile gives its own memory analysis)"
+    if args.hlo and (args.search or args.backend != "auto"):
+        return f"--hlo reads a module compiled elsewhere: {'--search' if args.search else '--backend'} does not apply"
     return None
+
+
+def _gpu(args):
+    """The GPU with the command line's overrides; a bad --gemm-table is a one-line error before any work."""
+    from jaxtron.plan.gpus import get_gpu
+
+    gpu = get_gpu(args.gpu).replace(
+        peak_tflops=args.peak_tflops, fp8_peak_tflops=args.fp8_peak_tflops, hbm_gbps=args.hbm_gbps,
+        nvlink_gbps=args.nvlink_gbps,
+        net_gbps=args.net_gbps, gpus_per_node=args.gpus_per_node, compute_efficiency=args.compute_efficiency,
+        comm_efficiency=args.comm_efficiency, collective_latency_us=args.collective_latency_us,
+        mem_fraction=args.mem_fraction, gemm_peak_fraction=args.gemm_peak_fraction,
+        gemm_fp8_peak_fraction=args.gemm_fp8_peak_fraction, hbm_fraction=args.hbm_fraction,
+        attention_tflops=args.attention_tflops, gemm_table=args.gemm_table)
+    if args.gemm_table:
+        from jaxtron.plan.gemm import load_table
+        load_table(args.gemm_table)
+    return gpu
+
+
+def _main_hlo(args) -> int:
+    """--hlo: the report on a module compiled elsewhere; nothing is compiled, the CUDA plugin is not needed."""
+    from jaxtron import config as config_lib
+    from jaxtron import preflight
+    from jaxtron.plan.hlo_report import plan_hlo_file
+
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+        preflight.check(cfg)
+        out = plan_hlo_file(cfg, _gpu(args), args.num_gpus, args.hlo, args.memory_json, args.moe_gemm)
+    except (config_lib.ConfigError, ValueError, RuntimeError) as err:
+        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out, default=float))
+    else:
+        _print_plan(out)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -223,6 +293,8 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
+    if args.hlo:
+        return _main_hlo(args)
     # Before jax is imported: let the CUDA plugin load without CUDA libraries (XLA:GPU cross-compile), and give
     # --backend cpu as many virtual devices as GPUs.
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
@@ -241,22 +313,11 @@ def main(argv=None) -> int:
     from jaxtron import preflight
     from jaxtron.jax_startup import stderr_filtered
     from jaxtron.plan import plan, search
-    from jaxtron.plan.gpus import get_gpu
 
     try:
         cfg = config_lib.load(args.config, args.overrides)
         preflight.check(cfg)
-        gpu = get_gpu(args.gpu).replace(
-            peak_tflops=args.peak_tflops, fp8_peak_tflops=args.fp8_peak_tflops, hbm_gbps=args.hbm_gbps,
-            nvlink_gbps=args.nvlink_gbps,
-            net_gbps=args.net_gbps, gpus_per_node=args.gpus_per_node, compute_efficiency=args.compute_efficiency,
-            comm_efficiency=args.comm_efficiency, collective_latency_us=args.collective_latency_us,
-            mem_fraction=args.mem_fraction, gemm_peak_fraction=args.gemm_peak_fraction,
-            gemm_fp8_peak_fraction=args.gemm_fp8_peak_fraction, hbm_fraction=args.hbm_fraction,
-            attention_tflops=args.attention_tflops, gemm_table=args.gemm_table)
-        if args.gemm_table:  # before any compile: a bad table is a one-line error at once
-            from jaxtron.plan.gemm import load_table
-            load_table(args.gemm_table)
+        gpu = _gpu(args)
         with stderr_filtered(() if args.show_xla_warnings else XLA_WARNINGS) as err_out:
             if args.search:
                 log = None if args.json else err_out.say  # progress at once, past the filter

@@ -11,17 +11,29 @@ import jax
 import numpy as np
 
 from jaxtron.config import Config
-from jaxtron.parallel.layout import Layout
-from jaxtron.plan import hlo, hlo_counts, steptime
 from jaxtron.plan import model as pm
 from jaxtron.plan import moe as pmoe
+from jaxtron.plan import steptime
+from jaxtron.plan.analysis import analyze
 from jaxtron.plan.gpus import GpuSpec
 from jaxtron.plan.target import SORT_NOTE, compile_step, prepare_config, target_devices
 
 PIPELINE_NOTE = ("pipeline stages: the step model counts the executed schedule (its idle ticks run the slowest "
                  "stage's work, the stages' forward recomputed in the backward); the roofline's closed form "
                  "has neither")
+USABLE_NOTE = ("usable memory assumes XLA_PYTHON_CLIENT_MEM_FRACTION={} on the cluster (JAX preallocates 0.75 of "
+               "GPU memory by default)")
+# the analysis of the compiled module (jaxtron/plan/analysis.py), in the order plan() has always reported it
+ANALYSIS_KEYS = ("moe", "flops", "collectives", "dots", "dots_moe_experts", "kernels", "async_overlap", "roofline",
+                 "step_model")
 
+
+def hardware(gpu: GpuSpec) -> dict:
+    """The GPU figures the predictions assumed."""
+    return {"peak_tflops": gpu.peak_tflops, "fp8_peak_tflops": gpu.fp8_peak_tflops, "hbm_gbps": gpu.hbm_gbps,
+            "nvlink_gbps": gpu.nvlink_gbps, "net_gbps": gpu.net_gbps, "gpus_per_node": gpu.gpus_per_node,
+            "compute_efficiency": gpu.compute_efficiency, "comm_efficiency": gpu.comm_efficiency,
+            "collective_latency_us": gpu.collective_latency_us}
 
 
 def _shard_bytes(tree) -> float:
@@ -39,43 +51,6 @@ def _count(tree) -> int:
 def check_moe_gemm(moe_gemm: str) -> None:
     if moe_gemm not in pmoe.GEMMS:
         raise ValueError(f"--moe-gemm: must be one of {', '.join(pmoe.GEMMS)}, got {moe_gemm!r}")
-
-
-MOE_GEMM_NOTES = {
-    "as_compiled": "MoE: the roofline runs the routed experts as compiled, their FLOPs counted in the optimized "
-                   "HLO: dropless jax.lax.ragged_dot is lowered by XLA to a group-masked dense matmul (E x a "
-                   "grouped GEMM's FLOPs; E/parallel.expert with expert parallelism), capacity dispatch to "
-                   "dense einsums over the capacity slots, on the rows each device gets (dropless: its own "
-                   "tokens, or with parallel.expert its exchange buffers; capacity: GSPMD gathers the global "
-                   "micro batch)",
-    "grouped": "MoE: the roofline assumes a grouped-GEMM kernel (model.moe.gmm_impl=pallas; not timed on a "
-               "GPU) over a dispatch that keeps tokens on their device (dropless's): "
-               "the routed experts execute their active FLOPs only; the expert-parallel all-to-all stays, "
-               "GSPMD's dispatch collectives over the batch axes are left out; memory is still the compiled "
-               "program's",
-}
-
-
-def moe_section(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gemm: str, expert_flops,
-                text: str) -> dict:
-    """The MoE part of a plan: which GEMM the roofline assumes, the routed experts' executed FLOPs, the
-    prediction under the other assumption, and how many of the schedule's async all-to-alls have expert
-    matmuls between start and done (the exchange overlapping the experts; the roofline does not count it)."""
-    other = "grouped" if moe_gemm == "as_compiled" else "as_compiled"
-    alt = pm.roofline(cfg, layout, gpu, ops, layout.num_devices, node_of, other, expert_flops)
-    pairs = hlo_counts.async_overlap(text, "all-to-all", pmoe.EXPERT_MATMUL_OPS)
-    e = cfg.model.moe
-    return {
-        "gemm": moe_gemm, "assumption": MOE_GEMM_NOTES[moe_gemm],
-        "experts": e.num_experts, "top_k": e.num_experts_per_token, "dispatch": e.dispatch,
-        "moe_layers": pm.moe_layer_count(cfg.model),
-        "expert_matmul_flops_per_device": {"as_compiled_hlo": expert_flops,
-                                           "grouped": pmoe.expert_flops_per_device(cfg, layout, "grouped")},
-        "alternative": {"gemm": other, **{k: alt[k] for k in ("step_time_s", "tokens_per_s_per_gpu", "mfu",
-                                                               "mfu_causal")}},
-        "all_to_all_overlapping_experts": {"pairs": len(pairs), "with_expert_matmuls": sum(
-            bool(p["marked_between"]) for p in pairs)},
-    }
 
 
 def layout_overrides(cfg: Config) -> str:
@@ -97,33 +72,22 @@ def memory_report(mem, spec, gpu: GpuSpec, backend: str) -> dict:
     arg, out, alias, temp = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
                              mem.temp_size_in_bytes)
     peak_ma = getattr(mem, "peak_memory_in_bytes", 0) or 0
-    peak = peak_ma if backend == "gpu" and peak_ma > 0 else arg + temp + max(0, out - alias)
-    usable = gpu.usable_bytes
     return {
         "params": params_b, "optimizer": _shard_bytes(spec.abstract_state["opt_state"]), "grads": grads_b,
         "activations_and_temp": max(0.0, temp - grads_b), "temp": temp, "arguments": arg, "outputs": out,
-        "aliased": alias, "peak": peak, "peak_from": "memory_analysis.peak_memory_in_bytes" if peak == peak_ma
-        else "arguments + temp + unaliased outputs",
-        "device_memory": gpu.memory_bytes, "usable": usable, "mem_fraction": gpu.mem_fraction,
-        "fits": peak <= usable, "headroom": usable - peak,
+        "aliased": alias, **peak_and_fit(arg, out, alias, temp, peak_ma if backend == "gpu" else 0, gpu),
     }
 
 
-def flops_report(cfg: Config, roof: dict, hlo_matmul_flops: float, num_devices: int) -> dict:
-    m, s = cfg.model, cfg.data.seq_len
-    return {
-        "model_flops_per_token": pm.flops_per_token(m, s, "full"),
-        "model_flops_per_token_causal": pm.flops_per_token(m, s, "causal"),
-        "matmul_flops_per_device_hlo": hlo_matmul_flops,
-        "model_flops_per_step": roof["model_flops_per_step"],
-        "model_flops_per_step_causal": roof["model_flops_per_step_causal"],
-        "model_flops_per_device": roof["model_flops_per_step"] / num_devices,
-        "hardware_flops_per_device": roof["hardware_flops_per_device"],
-        "convention": "Megatron num_floating_point_operations (matmuls only, 3x forward; MoE: the top-k routed "
-                      "and the shared experts, plus the router); 'full' counts the causal attention s^2 term "
-                      "whole (Megatron's published tables), 'causal' halves it (Megatron's code today; what a "
-                      "causal flash kernel executes)",
-    }
+def peak_and_fit(arg: float, out: float, alias: float, temp: float, peak_ma: float, gpu: GpuSpec) -> dict:
+    """The peak from the compiler's memory analysis (XLA:GPU's ``peak_memory_in_bytes`` when it gives one, else
+    arguments + temp + the outputs not aliased to arguments) and whether it fits the GPU's usable memory."""
+    peak = peak_ma if peak_ma > 0 else arg + temp + max(0, out - alias)
+    usable = gpu.usable_bytes
+    return {"peak": peak, "peak_from": "memory_analysis.peak_memory_in_bytes" if peak_ma > 0
+            else "arguments + temp + unaliased outputs",
+            "device_memory": gpu.memory_bytes, "usable": usable, "mem_fraction": gpu.mem_fraction,
+            "fits": peak <= usable, "headroom": usable - peak}
 
 
 def _attention_run(cfg: Config, compiled: Config) -> Optional[str]:
@@ -134,17 +98,12 @@ def _attention_run(cfg: Config, compiled: Config) -> Optional[str]:
     return None
 
 
-def _collective_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gemm: str) -> dict:
-    """Each collective's link seconds per execution, keyed by (computation, name), for the step model."""
-    return {(op.computation, op.name): secs
-            for op, secs, *_ in pm.collective_timing(cfg, layout, gpu, ops, node_of, moe_gemm)}
-
-
 def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices: Optional[Sequence] = None,
          keep_hlo: bool = False, moe_gemm: str = "as_compiled") -> dict:
     """Compile ``cfg`` for ``num_gpus`` GPUs of kind ``gpu`` and report memory, FLOPs, communication and the
     roofline prediction. All byte figures are per device. MoE: ``moe_gemm`` says how the roofline runs the
-    routed experts (``as_compiled`` or ``grouped``, :data:`MOE_GEMM_NOTES`); the report has the other too."""
+    routed experts (``as_compiled`` or ``grouped``, :data:`jaxtron.plan.analysis.MOE_GEMM_NOTES`); the report
+    has the other too."""
     check_moe_gemm(moe_gemm)
     notes: list[str] = []
     if devices is None:
@@ -159,20 +118,12 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     compile_s = time.perf_counter() - t0
     memory = memory_report(compiled.memory_analysis(), spec, gpu, backend)
     text = compiled.as_text()
-    ops = hlo.collectives(text, len(devices))
     # logical id i is mesh.devices.flat[i]; its node from the topology's process index (the CPU compile's
     # virtual devices: gpus_per_node consecutive ids per node)
     node_of = np.array([getattr(d, "process_index", d.id // gpu.gpus_per_node) if backend == "gpu"
                         else i // gpu.gpus_per_node for i, d in enumerate(layout.mesh.devices.flat)])
-    dots = hlo_counts.dot_flops(text, pmoe.EXPERT_MATMULS)
-    moe = pm.moe_layer_count(ccfg.model) > 0
-    roof = pm.roofline(ccfg, layout, gpu, ops, len(devices), node_of, moe_gemm, dots["marked"] if moe else None)
-    if moe:
-        notes += [MOE_GEMM_NOTES[moe_gemm]] + ([SORT_NOTE] if backend == "gpu" else [])
-    unknown = hlo.unknown_trip_counts(hlo.parse_module(text))
-    if unknown:
-        notes.append(f"{len(unknown)} loop(s) without a readable trip count ({', '.join(unknown[:3])}) are counted "
-                     "once by the step model: its time is a lower bound")
+    a = analyze(ccfg, layout, gpu, text, node_of, moe_gemm, _attention_run(cfg, ccfg))
+    moe = a["moe"] is not None
     result = {
         "gpu": gpu.name, "gpu_description": gpu.description, "num_gpus": len(devices),
         "nodes": max(1, len(devices) // gpu.gpus_per_node), "compiler": "XLA:GPU" if backend == "gpu" else "XLA:CPU",
@@ -185,28 +136,12 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
         "closed_form_memory": pm.closed_form_memory(ccfg, layout),
         "params": {"total": _count(spec.abstract_state["params"]), "closed_form": pm.param_count(ccfg.model),
                    "active_per_token": pm.param_count(ccfg.model, active=True)},
-        "moe": moe_section(ccfg, layout, gpu, ops, node_of, moe_gemm, dots["marked"], text) if moe else None,
-        "flops": flops_report(ccfg, roof, dots["total"], len(devices)),
-        "collectives": hlo.summarize(ops),
-        "dots": hlo_counts.dot_operand_types(text),
-        "dots_moe_experts": hlo_counts.dot_operand_types(text, pmoe.EXPERT_MATMULS) if moe else None,
-        "kernels": hlo_counts.kernel_calls(text),
-        "async_overlap": {kind: {"pairs": len(ps), "exposed": sum(not p["compute_between"] for p in ps)}
-                          for kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
-                          for ps in [hlo_counts.async_overlap(text, kind)] if ps},
-        "roofline": roof,
-        "step_model": steptime.predict(ccfg, text, gpu, _collective_seconds(ccfg, layout, gpu, ops, node_of, moe_gemm),
-                                       len(devices), roof["model_flops_per_step"], _attention_run(cfg, ccfg)),
-        "hardware": {"peak_tflops": gpu.peak_tflops, "fp8_peak_tflops": gpu.fp8_peak_tflops, "hbm_gbps": gpu.hbm_gbps,
-                     "nvlink_gbps": gpu.nvlink_gbps,
-                     "net_gbps": gpu.net_gbps, "gpus_per_node": gpu.gpus_per_node,
-                     "compute_efficiency": gpu.compute_efficiency, "comm_efficiency": gpu.comm_efficiency,
-                     "collective_latency_us": gpu.collective_latency_us},
-        "notes": notes + [f"usable memory assumes XLA_PYTHON_CLIENT_MEM_FRACTION={gpu.mem_fraction} on the cluster "
-                          "(JAX preallocates 0.75 of GPU memory by default)"]
-                 + ([PIPELINE_NOTE] if cfg.parallel.stage > 1 else []),
+        **{k: a[k] for k in ANALYSIS_KEYS},
+        "hardware": hardware(gpu),
+        "notes": notes + a["notes"] + ([SORT_NOTE] if moe and backend == "gpu" else []) + [USABLE_NOTE.format(
+            gpu.mem_fraction)] + ([PIPELINE_NOTE] if cfg.parallel.stage > 1 else []),
     }
     if keep_hlo:
         result["_hlo"] = text
-        result["_ops"] = ops
+        result["_ops"] = a["ops"]
     return result

@@ -215,7 +215,10 @@ class _Walk:
         or one memory-bound op), a Pallas GEMM kernel or a memory-bound op."""
         key = (shape, rest)  # the operand names in ``rest`` make it one instruction's
         if key not in self.instr_memo:
-            self.instr_memo[key] = self._instr(shape, opcode, rest, shapes)
+            # each executed instruction here is one kernel launch (a GEMM fusion, a fused elementwise or
+            # reduction kernel, a custom call, an unfused copy or sort)
+            launch = {"fusion": "fusions", "custom-call": "custom_calls"}.get(opcode, "other")
+            self.instr_memo[key] = {**self._instr(shape, opcode, rest, shapes), "launches": {launch: 1.0}}
         return self.instr_memo[key]
 
     def _instr(self, shape: str, opcode: str, rest: str, shapes: dict) -> dict:
@@ -281,6 +284,21 @@ def attention_call(rest: str):
     return "bwd" if re.search(r"bwd|dkv|_dq", name.group(0)) else "fwd"
 
 
+def attention_impl_of(text: str) -> Optional[str]:
+    """The attention kernel an optimized module calls, from the custom calls :func:`attention_call` recognises:
+    'cudnn' (cuDNN's fused attention), 'mosaic' (a Mosaic GPU kernel) or 'pallas' (a Pallas Triton kernel);
+    None where attention runs as dots (timed as GEMMs and memory-bound ops)."""
+    for instrs in hlo.parse_module(text).computations.values():
+        for _n, _s, opcode, rest in instrs:
+            if opcode != "custom-call" or not attention_call(rest):
+                continue
+            target = re.search(r'custom_call_target="([^"]*)"', rest)
+            target = target.group(1) if target else ""
+            return "cudnn" if target.startswith("__cudnn$fmha") else (
+                "mosaic" if target.startswith("mosaic_gpu") else "pallas")
+    return None
+
+
 def ops_time(walk: "_Walk", entry: str) -> dict:
     """GEMM and memory-bound seconds of the executed instructions of an optimized module (module doc)."""
     st, gpu = walk.comp(entry), walk.gpu
@@ -292,8 +310,10 @@ def ops_time(walk: "_Walk", entry: str) -> dict:
     memory = {"ops": st.get("mem_ops", 0.0), "bytes": st.get("mem_bytes", 0.0),
               "seconds": st.get("mem_bytes", 0.0) / walk.bw}
     top = sorted(st.get("by_shape", {}).items(), key=lambda kv: -kv[1]["seconds"])[:8]
+    launches = {k: st.get("launches", {}).get(k, 0.0) for k in ("fusions", "custom_calls", "other")}
     return {"gemm": gemms, "gemm_top_shapes": dict(top), "memory_bound": memory,
-            "custom_calls": st.get("custom_calls", {}), "attention_calls": st.get("attention_calls", {})}
+            "custom_calls": st.get("custom_calls", {}), "attention_calls": st.get("attention_calls", {}),
+            "kernels_per_step": {**launches, "total": sum(launches.values())}}
 
 
 def attention_per_call(cfg: Config, total_s: float, calls: dict) -> dict:

@@ -1,0 +1,155 @@
+"""python -m jaxtron.plan --hlo: the planner's analysis of a module compiled elsewhere is the one plan() runs on
+its own compile (same step model, FLOPs, collectives, kernels), the CLI reads a committed XLA:GPU module (no
+compile, no CUDA plugin needed), and a bad file is a one-line error with status 2.
+
+tests/data/tiny_fsdp2_h100.hlo.txt.gz and .memory.json: the default config (configs/tiny.yaml) with
+:data:`TINY_FSDP2` compiled for 2 H100s by plan(); ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu python
+tests/test_plan_hlo.py`` writes them again."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from helpers import xla_gpu_plugin_version
+from jaxtron import config as config_lib
+from jaxtron.plan import get_gpu, plan
+from jaxtron.plan.__main__ import main
+from jaxtron.plan.hlo_report import BadModule, module_devices, plan_hlo, plan_hlo_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+HLO = os.path.join(DATA, "tiny_fsdp2_h100.hlo.txt.gz")
+MEMORY = os.path.join(DATA, "tiny_fsdp2_h100.memory.json")
+TINY_FSDP2 = ["parallel.data=1", "parallel.fsdp=2", "data.seq_len=128"]
+H100 = get_gpu("h100")
+
+PLUGIN = xla_gpu_plugin_version()
+needs_xla_gpu = pytest.mark.skipif(PLUGIN != jax.__version__,
+                                   reason=f"jax-cuda12-plugin {PLUGIN} does not match jax {jax.__version__}: "
+                                          "no XLA:GPU cross-compile")
+
+
+def _cfg():
+    return config_lib.load(None, TINY_FSDP2)
+
+
+def memory_sizes(memory: dict) -> dict:
+    """XLA's memory-analysis sizes as plan() reports them (what --memory-json holds)."""
+    sizes = {"argument_size_in_bytes": memory["arguments"], "output_size_in_bytes": memory["outputs"],
+             "alias_size_in_bytes": memory["aliased"], "temp_size_in_bytes": memory["temp"]}
+    if memory["peak_from"] == "memory_analysis.peak_memory_in_bytes":
+        sizes["peak_memory_in_bytes"] = memory["peak"]
+    return {k: int(v) for k, v in sizes.items()}
+
+
+@pytest.fixture(scope="module")
+def compiled_plan():
+    """One XLA:GPU compile for the module: plan() with the module text it analysed."""
+    return plan(_cfg(), H100, 2, "gpu", keep_hlo=True)
+
+
+@needs_xla_gpu
+def test_plan_hlo_on_plans_own_module_gives_plans_figures(compiled_plan):
+    r = compiled_plan
+    h = plan_hlo(_cfg(), H100, 2, r["_hlo"], memory_sizes(r["memory"]), "compiled")
+    for key in ("step_model", "flops", "collectives", "kernels", "async_overlap", "roofline", "dots", "layout"):
+        assert h[key] == r[key], key
+    assert h["source"] == "hlo" and h["memory"]["peak"] == r["memory"]["peak"]
+    assert h["memory"]["fits"] == r["memory"]["fits"]
+
+
+def _cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_cli_reads_the_committed_module():
+    rc, out, err = _cli("--hlo", HLO, "--memory-json", MEMORY, "--gpu", "h100", "--num-gpus", "2", *TINY_FSDP2,
+                        "--json")
+    assert rc == 0, err[-3000:]
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["source"] == "hlo" and r["hlo_file"] == "tiny_fsdp2_h100.hlo.txt.gz" and r["compile_s"] is None
+    # FSDP over 2 devices: weights all-gathered in the layer scan (forward and backward), gradients
+    # reduce-scattered; no tensor, expert or context parallelism
+    c = r["collectives"]
+    assert c["all-gather"]["executions"] > 0 and c["reduce-scatter"]["executions"] > 0
+    assert c["all-to-all"]["ops"] == c["collective-permute"]["ops"] == 0
+    sm = r["step_model"]
+    assert sm["step_time_s"] > 0 and sm["tokens_per_s_per_gpu"] > 0 and sm["gemm"]["count"] > 0
+    assert sm["kernels_per_step"]["fusions"] > 0
+    assert sm["kernels_per_step"]["total"] == sum(sm["kernels_per_step"][k] for k in ("fusions", "custom_calls",
+                                                                                      "other"))
+    assert sm["attention_s"] == 0 and r["attention_impl"] == "xla"  # attention as dots, timed as GEMMs
+    # attention runs as dots over the full score matrix (the model's 'full' count): about 1x the model's
+    assert 0.9 < r["flops"]["dot_over_model_flops"] < 1.5
+    assert 0 < r["memory"]["peak"] < r["memory"]["usable"] and r["memory"]["fits"]
+    # the JSON is plan_hlo's own figures on the same file
+    again = plan_hlo_file(_cfg(), H100, 2, HLO, MEMORY)
+    assert r["step_model"]["step_time_s"] == again["step_model"]["step_time_s"]
+
+
+def test_without_memory_the_peak_is_unknown(capsys):
+    assert main(["--hlo", HLO, "--num-gpus", "2", *TINY_FSDP2]) == 0
+    out = capsys.readouterr().out
+    assert "peak                unknown" in out and "kernels per step" in out
+    assert plan_hlo_file(_cfg(), H100, 2, HLO)["memory"] is None
+
+
+def _error(capsys, *argv):
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_bad_files_are_one_line_errors(capsys, tmp_path):
+    missing = str(tmp_path / "nothing.txt.gz")
+    assert "No such file" in _error(capsys, "--hlo", missing, "--num-gpus", "2", *TINY_FSDP2)
+    text = tmp_path / "notes.txt"
+    text.write_text("this is not a module\n")
+    assert "not an HLO module" in _error(capsys, "--hlo", str(text), "--num-gpus", "2", *TINY_FSDP2)
+    broken = tmp_path / "broken.txt.gz"
+    broken.write_bytes(gzip.compress(b"HloModule m\n")[:12])
+    assert "not an HLO module" in _error(capsys, "--hlo", str(broken), "--num-gpus", "2", *TINY_FSDP2)
+    bad_memory = tmp_path / "memory.json"
+    bad_memory.write_text('{"temp_size_in_bytes": 1}')
+    assert "argument_size_in_bytes" in _error(capsys, "--hlo", HLO, "--memory-json", str(bad_memory),
+                                              "--num-gpus", "2", *TINY_FSDP2)
+
+
+def test_a_module_on_more_devices_than_gpus_is_refused(capsys):
+    err = _error(capsys, "--hlo", HLO, "--num-gpus", "1", "parallel.data=1", "parallel.fsdp=1",
+                 "data.seq_len=128")
+    assert "runs on 2 device(s)" in err
+    # a mesh that does not cover the GPUs is the config's one-line error
+    assert "does not match" in _error(capsys, "--hlo", HLO, "--num-gpus", "2", "parallel.data=1",
+                                      "parallel.fsdp=4")
+    assert "--search" in _error(capsys, "--hlo", HLO, "--search")
+
+
+def test_module_devices_reads_every_replica_group_format():
+    head = "HloModule m, num_partitions=4\n"
+    assert module_devices(head) == 4
+    assert module_devices(head + "x = f32[2] all-gather(y), replica_groups={{0,1},{6,7}}") == 8
+    assert module_devices(head + "x = f32[2] all-gather(y), replica_groups=[2,8]<=[16]") == 16
+    assert module_devices(head + "x = f32[2] all-gather(y), replica_groups=mesh['a'=2,'b'=4] {'a'}") == 8
+    assert module_devices(head + "x = f32[2] collective-permute(y), source_target_pairs={{0,9},{9,0}}") == 10
+    with pytest.raises(BadModule, match="runs on 4 device"):
+        plan_hlo(_cfg(), H100, 2, head + "ENTRY e {\n}\n")
+
+
+if __name__ == "__main__":  # write the committed module again (needs jax-cuda12-plugin == jax; module doc)
+    result = plan(_cfg(), H100, 2, "gpu", keep_hlo=True)
+    with open(HLO, "wb") as f:
+        f.write(gzip.compress(result["_hlo"].encode(), mtime=0))
+    with open(MEMORY, "w") as f:
+        json.dump(memory_sizes(result["memory"]), f, indent=1)
+        f.write("\n")
+    print(f"{HLO}: {os.path.getsize(HLO)} bytes; step model {result['step_model']['step_time_s'] * 1e3:.3f} ms")
