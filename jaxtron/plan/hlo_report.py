@@ -22,8 +22,8 @@ from jaxtron.plan import steptime
 from jaxtron.plan import model as pm
 from jaxtron.plan.analysis import analyze
 from jaxtron.plan.gpus import GpuSpec
-from jaxtron.plan.report import (ANALYSIS_KEYS, USABLE_NOTE, check_moe_gemm, hardware, layout_overrides,
-                                 peak_and_fit)
+from jaxtron.plan.report import (ANALYSIS_KEYS, PIPELINE_NOTE, USABLE_NOTE, check_moe_gemm, hardware,
+                                 layout_overrides, peak_and_fit)
 
 # XLA's CompiledMemoryStats fields (jax's ``compiled.memory_analysis()``) a --memory-json file gives
 MEMORY_SIZES = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
@@ -131,6 +131,7 @@ def plan_hlo(cfg: Config, gpu: GpuSpec, num_gpus: int, text: str, memory: Option
              "form with the module's collectives"]
     notes += [n for n in [_attention_note(cfg, impl)] if n]
     notes += a["notes"] + ([USABLE_NOTE.format(gpu.mem_fraction)] if mem else [NO_MEMORY_NOTE])
+    notes += [PIPELINE_NOTE] if cfg.parallel.stage > 1 else []
     return {
         "source": "hlo", "hlo_file": source_name,
         "gpu": gpu.name, "gpu_description": gpu.description, "num_gpus": num_gpus,
