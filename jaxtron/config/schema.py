@@ -120,6 +120,13 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = _f(doc="RoPE frequency scaling.", factory=RopeScalingConfig)
     rms_norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
     tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
+    loss_chunk_tokens: int = _f(0, "Compute the LM head and the fp32 cross entropy (and z-loss) about this many "
+                                   "tokens per device at a time, in a loop whose backward recomputes one chunk's "
+                                   "logits at a time, so no step holds the logits of a whole micro batch "
+                                   "(MaxText's num_vocab_tiling); a chunk's logits take loss_chunk_tokens x "
+                                   "vocab_size / parallel.tensor x 4 bytes. The head is gathered over FSDP once "
+                                   "per micro batch and its fp32 gradient accumulated whole. 0: off, the whole "
+                                   "micro batch's logits at once. Same loss and gradients up to fp32 rounding.")
     qkv_bias: bool = _f(False, "Bias on the Q/K/V projections (Qwen2).")
     qk_norm: bool = _f(False, "RMSNorm over head_dim of every query and key head before RoPE, with weights "
                               "[head_dim] shared by the heads and eps rms_norm_eps (Qwen3).")

@@ -72,6 +72,7 @@ def _validate_model(cfg: Config) -> None:
     _one_of(cfg, "model.mlp_impl", KERNEL_IMPLS)
     _one_of(cfg, "model.remat", REMAT_POLICIES)
     check(m.scan_unroll >= 1, "model.scan_unroll", f"must be >= 1, got {m.scan_unroll}")
+    check(m.loss_chunk_tokens >= 0, "model.loss_chunk_tokens", f"must be >= 0 (0: off), got {m.loss_chunk_tokens}")
     _one_of(cfg, "model.dtype", DTYPES + ("auto",))
     _one_of(cfg, "model.param_dtype", DTYPES)
     _one_of(cfg, "model.rope_scaling.type", ("none", "llama3"))

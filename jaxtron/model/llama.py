@@ -178,8 +178,14 @@ class Llama(nnx.Module):
     def forward_with_stats(self, tokens: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]):
         """(fp32 logits, MoE router stats): the stats are a dict of per-MoE-layer arrays (``aux_loss``,
         ``z_loss``, ``dropped``, ``assigned`` [L]; ``load`` [L, E]), or None for a dense model."""
+        x, stats = self.hidden_with_stats(tokens, positions, segment_ids)
+        return self.head(x), stats
+
+    def hidden_with_stats(self, tokens: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]):
+        """:meth:`forward_with_stats` without the LM head: the final-normed hidden states [batch, seq, hidden]
+        (what :meth:`head` takes; a loss may apply it a chunk of tokens at a time) and the router stats."""
         x, stats = self.run_layers_with_stats(self.embed_tokens(tokens), positions, segment_ids)
-        return self.logits(x), stats
+        return self.final_norm(x), stats
 
     def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
         """The stacked decoder blocks (however many ``self.layers`` holds), scanned (``scan_unroll`` blocks per
@@ -239,10 +245,24 @@ class Llama(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: [batch, seq, hidden] -> fp32 logits [batch, seq, vocab]."""
-        x = self.final_norm(x)
+        return self.head(self.final_norm(x))
+
+    def head_weight(self, gathered: bool = False) -> jax.Array:
+        """The LM head [hidden, vocab] (the embedding's transpose when tied) in the parameter dtype, as its
+        matmul reads it (:func:`~jaxtron.parallel.sharding.matmul_weight`). ``gathered``: split over ``vocab``
+        only, i.e. gathered over the axes that split parameters alone (FSDP); for a loss that applies
+        :meth:`head` chunk by chunk, so the head is gathered once (and its gradient reduce-scattered once)
+        per micro batch rather than once per chunk."""
         if self.cfg.tie_embeddings:
-            head = matmul_weight(self.embed[...], ("vocab", "embed")).T
+            w = matmul_weight(self.embed[...], ("vocab", "embed")).T
         else:
-            head = matmul_weight(self.lm_head[...], ("embed", "vocab"))
-        logits = self.matmuls.project("bsd,dv->bsv", x, head.astype(x.dtype), jnp.float32)
+            w = matmul_weight(self.lm_head[...], ("embed", "vocab"))
+        return constrain(w, (None, "vocab")) if gathered else w
+
+    def head(self, x: jax.Array, weight: Optional[jax.Array] = None) -> jax.Array:
+        """The LM head on final-normed hidden states: [batch, seq, hidden] -> fp32 logits [batch, seq, vocab].
+        ``weight``: :meth:`head_weight`, when the caller read it already. It is cast to the compute dtype here,
+        so the gradient a chunked loss accumulates over its chunks stays in the parameter dtype."""
+        weight = self.head_weight() if weight is None else weight
+        logits = self.matmuls.project("bsd,dv->bsv", x, weight.astype(x.dtype), jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))

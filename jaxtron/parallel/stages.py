@@ -2,13 +2,14 @@
 parts :mod:`jaxtron.parallel.pipeline` runs (the embedding, a chunk of the stacked decoder layers, and the
 logits with the loss).
 
-The model only has to offer ``embed_tokens(tokens)``, ``rope(positions)``, ``run_stack(key, x, rope,
-segment_ids)`` and ``logits(x)``, and keep its stacked decoder blocks under the ``layers`` parameter key (the
-logical axis the rules split over pipeline stages). The loss stays the caller's: ``loss_sums(logits,
-micro_batch)`` returns ``(objective sum, (reported loss sum, token count, aux sums))``. What else the pipeline
-needs of the model comes in a :class:`StageTerms` from the caller (this package imports no model code): the
-stacks run before the stages, and how a stage's layers add to the loss (MoE router losses, added to the
-objective in the stage that runs them, and their stats, added to the aux sums).
+The model only has to offer ``embed_tokens(tokens)``, ``rope(positions)`` and ``run_stack(key, x, rope,
+segment_ids)``, and keep its stacked decoder blocks under the ``layers`` parameter key (the logical axis the
+rules split over pipeline stages). The head and the loss stay the caller's: ``loss_sums(model, x,
+micro_batch)``, ``x`` the last stage's output, returns ``(objective sum, (reported loss sum, token count, aux
+sums))``. What else the pipeline needs of the model comes in a :class:`StageTerms` from the caller (this
+package imports no model code): the stacks run before the stages, and how a stage's layers add to the loss
+(MoE router losses, added to the objective in the stage that runs them, and their stats, added to the aux
+sums).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _parts(graphdef, terms: StageTerms, params_struct: dict, loss_sums: Callable
         return x, terms.layer_terms(stats, jnp.sum(mb["loss_mask"].astype(jnp.float32)))
 
     def post(shared, x, mb):
-        return loss_sums(model(shared, placeholder(stacked_struct)).logits(x), mb)
+        return loss_sums(model(shared, placeholder(stacked_struct)), x, mb)
 
     return pre, stage, post
 

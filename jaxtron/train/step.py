@@ -10,14 +10,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxtron.config import Config, ModelConfig
+from jaxtron.config import Config, ConfigError, ModelConfig
 from jaxtron.model import routing
 from jaxtron.model.llama import layer_stacks
 from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.stages import (BATCH_AXES, STACKED, StageTerms, pipelined_loss, pipelined_value_and_grad,
                                      split_micro)
 from jaxtron.train.flops import moe_layer_count
-from jaxtron.train.loss import cross_entropy_sums
+from jaxtron.train.loss import chunked_cross_entropy_sums, cross_entropy_sums
 from jaxtron.train.state import ModelSpec
 from jaxtron.train.xla_options import compiler_options
 
@@ -39,18 +39,37 @@ def _segments(batch: dict, packed: bool):
     return batch["segment_ids"] if packed else None
 
 
-def _logits_sums(logits, batch, z_loss: float):
-    """(objective sum, (reported loss sum, token count, aux sums)) of the built-in loss."""
-    ce, z, n = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
+def _head_sums(model, hidden, batch, z_loss: float, chunk_tokens: int):
+    """(objective sum, (reported loss sum, token count, aux sums)) of the built-in loss on the final-normed
+    ``hidden`` states: the LM head and cross entropy of the whole micro batch, or with ``chunk_tokens``
+    (``model.loss_chunk_tokens``) a chunk at a time, never holding the whole micro batch's logits."""
+    targets, mask = batch["targets"], batch["loss_mask"]
+    if chunk_tokens:
+        weight = model.head_weight(gathered=True)  # gathered once, outside the loop over the chunks
+        ce, z, n = chunked_cross_entropy_sums(lambda x: model.head(x, weight), hidden, targets, mask, z_loss,
+                                              chunk_tokens)
+    else:
+        ce, z, n = cross_entropy_sums(model.head(hidden), targets, mask, z_loss)
     return ce + z, (ce, n, {})
 
 
-def _sums(graphdef, params, batch, z_loss: float, packed: bool = True):
+def _global_chunk_tokens(cfg: Config, layout: Layout) -> int:
+    """``model.loss_chunk_tokens`` (per device) over the whole micro batch: times the ways its tokens are split
+    (rows over data x fsdp x expert, sequences over context); 0: off."""
+    return cfg.model.loss_chunk_tokens * layout.dp * layout.context
+
+
+def _last_stage_sums(z_loss: float, chunk_tokens: int) -> Callable:
+    """The pipeline's loss callback: :func:`_head_sums` of the last stage's output, final norm first."""
+    return lambda model, x, batch: _head_sums(model, model.final_norm(x), batch, z_loss, chunk_tokens)
+
+
+def _sums(graphdef, params, batch, z_loss: float, packed: bool = True, chunk_tokens: int = 0):
     model = nnx.merge(graphdef, params)
+    hidden, stats = model.hidden_with_stats(batch["inputs"], batch["positions"], _segments(batch, packed))
+    objective, (ce, n, aux) = _head_sums(model, hidden, batch, z_loss, chunk_tokens)
     if not model.cfg.moe.num_experts:
-        return _logits_sums(model(batch["inputs"], batch["positions"], _segments(batch, packed)), batch, z_loss)
-    logits, stats = model.forward_with_stats(batch["inputs"], batch["positions"], _segments(batch, packed))
-    objective, (ce, n, _) = _logits_sums(logits, batch, z_loss)
+        return objective, (ce, n, aux)
     # The MoE losses are means over the micro batch's tokens; weighted by its token count, they add
     # coef * loss to the per-token objective the step divides by the total count (micro batches by share).
     term, report = routing.layer_terms(stats, n, model.cfg.moe, moe_layer_count(model.cfg))
@@ -106,12 +125,16 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
     under ``layout.tracing()``."""
     accum = layout.accumulation_steps
     z_loss = cfg.optim.z_loss
+    chunk_tokens = _global_chunk_tokens(cfg, layout)
     packed = cfg.data.reset_at_eod or layout.reorders_sequences  # see _segments
     if loss_fn is None:
-        sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss, packed)
+        sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss, packed, chunk_tokens)
     else:
         sums = lambda p, b: _custom_sums(loss_fn, spec.graphdef, p, b)
     grad_fn = jax.value_and_grad(sums, has_aux=True)
+    if chunk_tokens and loss_fn is not None:  # refused, never silently ignored
+        raise ConfigError("model.loss_chunk_tokens", "chunks the built-in loss only; a custom loss_fn computes its "
+                          "own logits (jaxtron.train.loss.chunked_cross_entropy_sums chunks a head for it)")
     if layout.stages > 1 and loss_fn is not None:
         raise ValueError("a custom loss_fn(model, batch) cannot run with parallel.stage > 1: the pipeline computes "
                          "the loss from the last stage's hidden states, not from a whole model")
@@ -120,7 +143,7 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
         batch = layout.balance(batch)  # context parallelism: each rank's two chunks of every sequence
         if layout.stages > 1:
             return pipelined_value_and_grad(layout, spec.graphdef, stage_terms(cfg.model), spec.param_shardings,
-                                            lambda logits, mb: _logits_sums(logits, mb, z_loss),
+                                            _last_stage_sums(z_loss, chunk_tokens),
                                             lambda mb: _segments(mb, packed), params, batch,
                                             spec.histories.accumulate)
         if accum == 1:
@@ -205,18 +228,19 @@ def make_gradients(cfg: Config, spec: ModelSpec, layout: Layout, batch_sh: Named
 
 def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
     packed = cfg.data.reset_at_eod or layout.reorders_sequences  # see _segments
+    chunk_tokens = _global_chunk_tokens(cfg, layout)
 
     def evaluate(params, batch):
         batch = layout.balance(batch)
         with layout.tracing():
             if layout.stages > 1:
                 _, (ce, n, _) = pipelined_loss(layout, spec.graphdef, stage_terms(cfg.model), spec.param_shardings,
-                                               lambda logits, mb: _logits_sums(logits, mb, 0.0),
+                                               _last_stage_sums(0.0, chunk_tokens),
                                                lambda mb: _segments(mb, packed), params, batch)
                 return {"loss_sum": ce, "tokens": n}
 
             def body(carry, micro):
-                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0, packed)
+                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0, packed, chunk_tokens)
                 return (carry[0] + ce, carry[1] + n), None
             (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), split_micro(batch, layout.accumulation_steps))
             return {"loss_sum": ce, "tokens": n}
