@@ -137,13 +137,16 @@ def model_mismatch(row: Row, maxtext: dict, python: str) -> Optional[str]:
     """A one-line difference between MaxText's compiled model (maxtext.json) and the jaxtron config, or None."""
     code = ("import json, sys; from jaxtron import config as c; m = c.load(sys.argv[1], sys.argv[2:]).model; "
             "print(json.dumps({k: getattr(m, k) for k in %r} | {'head_dim': m.head_dim or m.hidden_size // "
-            "m.num_heads, 'num_experts': m.moe.num_experts}))" % (sorted(MODEL_KEYS.values()),))
+            "m.num_heads, 'num_experts': m.moe.num_experts, 'mlp': (m.moe.expert_intermediate_size or "
+            "m.intermediate_size) if m.moe.num_experts else m.intermediate_size}))" % (sorted(MODEL_KEYS.values()),))
     r = subprocess.run([python, "-c", code, row.config, *row.model], capture_output=True, text=True,
                        env=planner_env(), timeout=300)
     if r.returncode:
         return f"cannot read the jaxtron config: {last_line(r.stderr)}"
     ours, theirs = json.loads(r.stdout.strip().splitlines()[-1]), maxtext.get("model") or {}
     diff = [f"{k} {theirs[k]} vs {ours[v]}" for k, v in MODEL_KEYS.items() if k in theirs and theirs[k] != ours[v]]
+    if "mlp_dim" in theirs and theirs["mlp_dim"] != ours["mlp"]:
+        diff.append(f"mlp {theirs['mlp_dim']} vs {ours['mlp']}")
     experts = int(theirs.get("num_experts", 1))
     if (experts if experts > 1 else 0) != ours["num_experts"]:
         diff.append(f"experts {experts} vs {ours['num_experts']}")
