@@ -6,7 +6,8 @@ judged by the same planner step model (issue 38; docs/planner.md).
     python scripts/peer_compare.py --out runs/peer --rows llama3-8b-8 tiny
     python scripts/peer_compare.py --out /tmp/peer --tiny                 # CI: the tiny row, no MaxText env needed
 
-Per row, in DIR/<row>/ (each part cached there; a rerun skips what is done, --force redoes it):
+Per row, in DIR/<row>/ (each part cached there; a rerun skips what was made by the same command, jax and jaxtron
+code; --force redoes it, --keep-stale reuses plans of other jaxtron code):
 
 1. MaxText's program: ``scripts/peer_compile.py --row <row> --out DIR/<row>`` (maxtext.hlo.txt.gz,
    maxtext.memory.json, maxtext.json: what was compiled) when its outputs are missing;
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -201,10 +203,19 @@ def python_versions(python: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def cached(path: Path, command: list[str], versions: dict, force: bool,
+def code_fingerprint() -> str:
+    """A hash of jaxtron's code (its Python files and GPU descriptions): a plan made by other code is stale."""
+    h = hashlib.sha256()
+    for f in sorted((REPO / "jaxtron").rglob("*")):
+        if f.is_file() and f.suffix in (".py", ".txtpb", ".json") and "__pycache__" not in f.parts:
+            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def cached(path: Path, made_by: dict, force: bool, keep_stale: bool,
            newer_than: Optional[Path] = None) -> Optional[dict]:
-    """The cached result at ``path`` if it was made by the same command under the same jax (and after
-    ``newer_than``)."""
+    """The cached result at ``path`` if it was made by the same command under the same jax and jaxtron code
+    (``keep_stale``: whatever the code) and after ``newer_than``."""
     if force or not path.exists():
         return None
     try:
@@ -212,24 +223,26 @@ def cached(path: Path, command: list[str], versions: dict, force: bool,
     except ValueError:
         return None
     made = out.get("peer_compare", {})
-    if made.get("command") != command or made.get("versions") != versions:
+    keys = ("command", "versions") if keep_stale else ("command", "versions", "code")
+    if any(made.get(k) != made_by[k] for k in keys):
         return None
     if newer_than is not None and newer_than.exists() and newer_than.stat().st_mtime > path.stat().st_mtime:
         return None
     return out
 
 
-def plan_part(path: Path, python: str, argv: list[str], force: bool, timeout: float, versions: dict,
+def plan_part(path: Path, python: str, argv: list[str], args, versions: dict,
               newer_than: Optional[Path] = None) -> dict:
     """``python -m jaxtron.plan --json <argv>`` -> ``path`` (the report with how it was made), cached."""
     command = ["-m", "jaxtron.plan", "--json", *argv]
-    hit = cached(path, command, versions, force, newer_than)
+    made_by = {"command": command, "versions": versions, "code": args.code}
+    hit = cached(path, made_by, args.force, args.keep_stale, newer_than)
     if hit is not None:
         return hit
     path.with_suffix(".error.txt").unlink(missing_ok=True)
     t0 = time.time()
     try:
-        out = run_logged([python, *command], path.with_suffix(".log"), timeout, planner_env())
+        out = run_logged([python, *command], path.with_suffix(".log"), args.timeout, planner_env())
         report = json.loads(out.strip().splitlines()[-1])
     except RowError as err:
         path.with_suffix(".error.txt").write_text(str(err) + "\n")
@@ -238,8 +251,7 @@ def plan_part(path: Path, python: str, argv: list[str], force: bool, timeout: fl
         msg = f"the planner printed no JSON (log {path.with_suffix('.log')})"
         path.with_suffix(".error.txt").write_text(msg + "\n")
         raise RowError(msg) from None
-    report["peer_compare"] = {"command": command, "python": python, "versions": versions,
-                              "wall_s": round(time.time() - t0, 1)}
+    report["peer_compare"] = {**made_by, "python": python, "wall_s": round(time.time() - t0, 1)}
     path.write_text(json.dumps(report, default=float) + "\n")
     return report
 
@@ -311,14 +323,14 @@ def compare_row(name: str, args, python: str, versions: dict) -> dict:
             out["notes"].append(f"not the same XLA: MaxText compiled with jax {mt_jax}, jaxtron with jax "
                                 f"{versions.get('jax')}")
     try:
-        out["jaxtron"] = plan_part(rowdir / "jaxtron.json", python, argv, args.force, args.timeout, versions)
+        out["jaxtron"] = plan_part(rowdir / "jaxtron.json", python, argv, args, versions)
     except RowError as err:
         out["errors"]["jaxtron"] = str(err)
     if maxtext:
         hlo = ["--hlo", str(rowdir / "maxtext.hlo.txt.gz"), "--memory-json", str(rowdir / "maxtext.memory.json")]
         try:
-            out["maxtext"] = plan_part(rowdir / "maxtext_plan.json", python, hlo + argv, args.force, args.timeout,
-                                       versions, newer_than=rowdir / "maxtext.hlo.txt.gz")
+            out["maxtext"] = plan_part(rowdir / "maxtext_plan.json", python, hlo + argv, args, versions,
+                                       newer_than=rowdir / "maxtext.hlo.txt.gz")
         except RowError as err:
             out["errors"]["maxtext"] = str(err)
     return out
@@ -453,6 +465,8 @@ def parse_args(argv):
                    help="--tiny: MaxText's module as PREFIX.hlo.txt.gz, PREFIX.memory.json, PREFIX.json (default: "
                         "the committed tests/data/maxtext_tiny_fsdp8_h100)")
     p.add_argument("--force", action="store_true", help="redo every part, cached or not")
+    p.add_argument("--keep-stale", action="store_true", help="reuse cached plans made by other jaxtron code (the "
+                                                             "same command and jax)")
     p.add_argument("--maxtext-env", type=Path, default=DEFAULT_ENV, help="MaxText's venv (peer_compile's --env)")
     p.add_argument("--python", help="the Python of both planner runs (default: the MaxText env's; --tiny: this "
                                     "one)")
@@ -487,6 +501,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     versions = python_versions(python)
+    args.code = code_fingerprint()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.rows:
