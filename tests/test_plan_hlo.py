@@ -17,7 +17,7 @@ import pytest
 
 from helpers import xla_gpu_plugin_version
 from jaxtron import config as config_lib
-from jaxtron.plan import get_gpu, plan
+from jaxtron.plan import get_gpu, hlo_counts, plan, steptime
 from jaxtron.plan.__main__ import main
 from jaxtron.plan.hlo_report import BadModule, module_devices, plan_hlo, plan_hlo_file
 
@@ -143,6 +143,34 @@ def test_module_devices_reads_every_replica_group_format():
     assert module_devices(head + "x = f32[2] collective-permute(y), source_target_pairs={{0,9},{9,0}}") == 10
     with pytest.raises(BadModule, match="runs on 4 device"):
         plan_hlo(_cfg(), H100, 2, head + "ENTRY e {\n}\n")
+
+
+GEMM_MODULE = """HloModule m, is_scheduled=true
+
+ENTRY %main (p0: bf16[256,512], p1: bf16[512,128]) -> bf16[256,128] {
+  %p0 = bf16[256,512]{1,0} parameter(0)
+  %p1 = bf16[512,128]{1,0} parameter(1)
+  GEMM
+}
+"""
+CUBLAS = ('%g = (bf16[256,128]{1,0}, s8[4194304]{0}) custom-call(%p0, %p1), custom_call_target="__cublas$lt$matmul", '
+          'backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],'
+          '"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]}}}\n'
+          '  ROOT %r = bf16[256,128]{1,0} get-tuple-element(%g), index=0')
+DOT = "ROOT %g = bf16[256,128]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}"
+
+
+def test_a_cublas_gemm_call_is_a_dot():
+    """A module compiled with --xla_gpu_enable_triton_gemm=false (MaxText's GPU flags) calls cuBLAS instead of
+    a dot: its FLOPs and its GEMM time are the dot's, its launch a custom call."""
+    cfg = config_lib.load(None, ["parallel.data=1"])
+    cublas, dot = (GEMM_MODULE.replace("GEMM", g) for g in (CUBLAS, DOT))
+    assert hlo_counts.dot_flops(cublas)["total"] == hlo_counts.dot_flops(dot)["total"] == 2.0 * 256 * 128 * 512
+    assert hlo_counts.dot_operand_types(cublas) == hlo_counts.dot_operand_types(dot)
+    a, b = (steptime.predict(cfg, t, H100, {}, 1, 1.0) for t in (cublas, dot))
+    assert a["gemm"]["count"] == b["gemm"]["count"] == 1 and a["gemm_s"] == b["gemm_s"] > 0
+    assert a["kernels_per_step"]["custom_calls"] == 1 and b["kernels_per_step"]["other"] == 1
+    assert a["custom_calls"] == {"__cublas$lt$matmul": 1.0}
 
 
 if __name__ == "__main__":  # write the committed module again (needs jax-cuda12-plugin == jax; module doc)

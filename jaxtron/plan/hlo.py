@@ -42,7 +42,6 @@ _LIST_CALLEE_RE = re.compile(r"\b(?:called_computations|branch_computations|call
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 DOT_LHS_RE = re.compile(r"dot\(\s*([a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+)")
-LHS_CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
 def shape_bytes(shape: str) -> float:
@@ -363,6 +362,45 @@ def collectives(text: str, num_devices: int) -> list[CollectiveOp]:
 def shape_dims(shape: str) -> list[int]:
     m = _SHAPE_RE.search(shape)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def first_array(shape: str) -> str:
+    """The first array of a shape: a cuBLAS call's result is (result, workspace bytes)."""
+    m = _SHAPE_RE.search(shape)
+    return m.group(0) if m else ""
+
+
+def operand_names(rest: str) -> list[str]:
+    """The operand names of an instruction's text after its opcode: ``op(a, b, ...)`` (inline shapes dropped)."""
+    m = re.match(r"[\w\-$.]+\((.*?)\)(,|$)", rest)
+    if not m:
+        return []
+    return [a.split()[-1].lstrip("%") for a in m.group(1).split(",") if a.strip()]
+
+
+# cuBLAS GEMMs XLA:GPU calls instead of a dot (in place of a Triton GEMM fusion, e.g. under
+# --xla_gpu_enable_triton_gemm=false): their dimension numbers are in the gemm_backend_config
+_CUBLAS_GEMM_RE = re.compile(r'custom_call_target="__cublas\$(gemm|lt\$matmul(\$f8)?)"')
+_DOT_DIMS = ("lhs_batch_dims", "lhs_contracting_dims", "rhs_batch_dims", "rhs_contracting_dims")
+_DOT_DIM_RES = {key: re.compile(key + r"=\{([\d,]*)\}") for key in _DOT_DIMS}
+_GEMM_DIM_RES = {key: re.compile(r'"%s_%s_dimensions":\[([^\]]*)\]' % tuple(key.split("_")[:2]))
+                 for key in _DOT_DIMS}
+
+
+def is_gemm_call(opcode: str, rest: str) -> bool:
+    """Whether an instruction is a cuBLAS GEMM custom call (a dot by another name)."""
+    return opcode == "custom-call" and bool(_CUBLAS_GEMM_RE.search(rest))
+
+
+def dot_dimensions(rest: str) -> dict[str, list[int]]:
+    """A dot's batch and contracting dimensions (``lhs_batch_dims``, ``lhs_contracting_dims``, ``rhs_...``),
+    from a ``dot``'s attributes or a cuBLAS GEMM call's backend config."""
+    res = _GEMM_DIM_RES if rest.startswith("custom-call") else _DOT_DIM_RES
+    out = {}
+    for key, r in res.items():
+        m = r.search(rest)
+        out[key] = [int(i) for i in re.findall(r"\d+", m.group(1))] if m else []
+    return out
 
 
 def summarize(ops: Sequence[CollectiveOp]) -> dict[str, dict]:

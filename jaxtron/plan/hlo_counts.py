@@ -7,15 +7,16 @@ import re
 
 import numpy as np
 
-from jaxtron.plan.hlo import (DOT_LHS_RE, LHS_CONTRACTING_RE, OP_NAME_RE, shape_dims,
-                              parse_module)
+from jaxtron.plan.hlo import (DOT_LHS_RE, OP_NAME_RE, dot_dimensions, first_array, is_gemm_call, operand_names,
+                              parse_module, shape_dims)
 
 
 def dot_flops(text: str, marker: str = "ragged_dot") -> dict[str, float]:
     """Matmul FLOPs per device per step of an optimized module: every ``dot`` counts 2 x its result elements x
     its contracted size, times how often its computation runs (loop trip counts and fusion calls multiplied).
     ``marked``: the part whose op_name matches the regular expression ``marker`` (by default the MoE experts'
-    ragged_dot, whatever XLA lowered it to). Custom calls (Pallas kernels such as flash attention, cuBLAS calls) are not counted."""
+    ragged_dot, whatever XLA lowered it to). cuBLAS GEMM calls count as dots; other custom calls (Pallas kernels
+    such as flash attention, cuDNN attention) are not counted."""
     mod = parse_module(text)
     mult = mod.multipliers()
     total = marked = 0.0
@@ -23,17 +24,23 @@ def dot_flops(text: str, marker: str = "ragged_dot") -> dict[str, float]:
         count = mult.get(comp, 0.0)
         shapes = {name: shape for name, shape, _op, _rest in instrs}
         for _name, shape, opcode, rest in instrs:
-            lhs = DOT_LHS_RE.match(rest) if opcode == "dot" and count else None
-            if lhs is None:
+            if not count or not (opcode == "dot" or is_gemm_call(opcode, rest)):
                 continue
-            lhs_dims = shape_dims(lhs.group(1) or shapes.get(lhs.group(2), ""))
-            contracting = LHS_CONTRACTING_RE.search(rest)
-            k = np.prod([lhs_dims[int(i)] for i in contracting.group(1).split(",") if i]) if contracting else 1
-            flops = 2.0 * float(np.prod(shape_dims(shape))) * float(k) * count
+            flops = _gemm_flops(shape, rest, shapes) * count
             total += flops
             op_name = OP_NAME_RE.search(rest)
             marked += flops if op_name and re.search(marker, op_name.group(1)) else 0.0
     return {"total": total, "marked": marked}
+
+
+def _gemm_flops(shape: str, rest: str, shapes: dict) -> float:
+    """2 x result elements x contracted size of a ``dot`` or a cuBLAS GEMM call (operand shapes inline or
+    from ``shapes``)."""
+    lhs = DOT_LHS_RE.match(rest) if rest.startswith("dot(") else None
+    lhs_dims = shape_dims(lhs.group(1) or shapes.get(lhs.group(2), "")) if lhs else shape_dims(
+        shapes.get((operand_names(rest) or [""])[0], ""))
+    k = np.prod([lhs_dims[i] for i in dot_dimensions(rest)["lhs_contracting_dims"] if i < len(lhs_dims)])
+    return 2.0 * float(np.prod(shape_dims(first_array(shape)))) * float(k)
 
 
 COMPUTE_OPCODES = ("fusion", "custom-call", "convolution", "dot")
@@ -74,18 +81,15 @@ def dot_operand_types(text: str, marker: str = "") -> dict[str, dict]:
     for instrs in parse_module(text).computations.values():
         shapes = {name: shape for name, shape, _op, _rest in instrs}
         for _name, shape, opcode, rest in instrs:
-            m = re.match(r"dot\(([^)]*)\)", rest) if opcode == "dot" else None
-            op_name = OP_NAME_RE.search(rest) if m and marker else None
-            if m is None or (marker and not (op_name and re.search(marker, op_name.group(1)))):
+            if not (opcode == "dot" or is_gemm_call(opcode, rest)):
                 continue
-            names = [x.strip().lstrip("%") for x in m.group(1).split(",")]
-            key = " x ".join(shapes.get(x, "?").split("[")[0] for x in names)
-            contracting = LHS_CONTRACTING_RE.search(rest)
-            lhs = shape_dims(shapes.get(names[0], ""))
-            k = np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i]) if contracting and lhs else 1
+            op_name = OP_NAME_RE.search(rest) if marker else None
+            if marker and not (op_name and re.search(marker, op_name.group(1))):
+                continue
+            key = " x ".join(shapes.get(x, "?").split("[")[0] for x in operand_names(rest)[:2])
             entry = out.setdefault(key, {"dots": 0, "flops": 0.0})
             entry["dots"] += 1
-            entry["flops"] += 2.0 * float(np.prod(shape_dims(shape))) * float(k)
+            entry["flops"] += _gemm_flops(shape, rest, shapes)
     return out
 
 

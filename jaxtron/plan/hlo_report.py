@@ -107,6 +107,17 @@ def _attention_note(cfg: Config, impl: str) -> Optional[str]:
             "model times attention as the module runs it")
 
 
+def _recompute_note(cfg: Config, calls: dict) -> Optional[str]:
+    """Where the module's attention calls say the forward is (or is not) recomputed, unlike ``model.remat``: the
+    attention model counts a second forward under ``remat=full`` only."""
+    fwd, bwd = calls.get("fwd", 0.0), calls.get("bwd", 0.0)
+    if not bwd or (fwd >= 1.5 * bwd) == (cfg.model.remat == "full"):
+        return None
+    return (f"attention: the module runs {fwd:.0f} forward and {bwd:.0f} backward kernel calls per step, yet the "
+            f"config says model.remat={cfg.model.remat}: the attention model counts a recomputed forward only "
+            "under model.remat=full")
+
+
 def plan_hlo(cfg: Config, gpu: GpuSpec, num_gpus: int, text: str, memory: Optional[dict] = None,
              source_name: Optional[str] = None, moe_gemm: str = "as_compiled") -> dict:
     """The planner's report on an optimized XLA:GPU module's ``text`` (module doc): the keys of
@@ -129,7 +140,7 @@ def plan_hlo(cfg: Config, gpu: GpuSpec, num_gpus: int, text: str, memory: Option
              "attention model and the mesh axes of its replica groups come from the config given with it "
              f"({layout.describe()}), every other figure from the module; the roofline is the config's closed "
              "form with the module's collectives"]
-    notes += [n for n in [_attention_note(cfg, impl)] if n]
+    notes += [n for n in [_attention_note(cfg, impl), _recompute_note(cfg, a["step_model"]["attention_calls"])] if n]
     notes += a["notes"] + ([USABLE_NOTE.format(gpu.mem_fraction)] if mem else [NO_MEMORY_NOTE])
     notes += [PIPELINE_NOTE] if cfg.parallel.stage > 1 else []
     return {

@@ -3,9 +3,9 @@
 Unlike the roofline (:mod:`jaxtron.plan.model`, all FLOPs at one ``compute_efficiency`` of the peak), every
 executed instruction of the compiled step is timed on its own, times how often it runs (loop trip counts):
 
-* GEMMs (every ``dot``, inside XLA's GEMM fusions or not): :func:`jaxtron.plan.gemm.gemm_time` from its M, N,
-  K, batch and operand types (FP8 operands at the FP8 peak): tile, wave and depth efficiency, or its bytes over
-  HBM when that is longer;
+* GEMMs (every ``dot``, inside XLA's GEMM fusions or not, and cuBLAS GEMM calls):
+  :func:`jaxtron.plan.gemm.gemm_time` from its M, N, K, batch and operand types (FP8 operands at the FP8 peak):
+  tile, wave and depth efficiency, or its bytes over HBM when that is longer;
 * attention kernels (``model.attention_impl`` cudnn, pallas, mosaic: custom calls whose FLOPs the HLO does not
   carry): the closed-form causal attention FLOPs (forward 2 matmuls over the causal half, the backward 2.5
   times that, the forward again under ``remat=full``) at the kernel's rate measured on an H100
@@ -47,21 +47,10 @@ _COLLECTIVE = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|colle
 # Pallas GEMM kernels, by the name their pallas_call carries in op_name: the grouped matmul's forward
 # (gmm), its dgrad (gmm_t, the experts read transposed), its wgrad (tgmm), and the block-scaled FP8 GEMM
 _KERNEL_GEMM = re.compile(r"/(gmm|gmm_t|tgmm|fp8_blockwise_matmul)/pallas_call")
-_DIMS = {key: re.compile(key + r"=\{([\d,]*)\}") for key in ("lhs_batch_dims", "lhs_contracting_dims",
-                                                             "rhs_batch_dims", "rhs_contracting_dims")}
-
-
-def _operands(rest: str) -> list[str]:
-    """The operand names of an instruction's text after its opcode: ``op(a, b, ...)``."""
-    m = re.match(r"[\w\-$.]+\((.*?)\)(,|$)", rest)
-    if not m:
-        return []
-    return [a.split()[-1].lstrip("%") for a in m.group(1).split(",") if a.strip()]
 
 
 def _dot_dims(rest: str, lhs: list[int], rhs: list[int]) -> tuple[int, int, int, int]:
-    get = {k: [int(i) for i in r.search(rest).group(1).split(",") if i] if r.search(rest) else []
-           for k, r in _DIMS.items()}
+    get = hlo.dot_dimensions(rest)
     batch = int(np.prod([lhs[i] for i in get["lhs_batch_dims"]])) if lhs else 1
     k = int(np.prod([lhs[i] for i in get["lhs_contracting_dims"]])) if lhs else 1
     m = int(np.prod([d for i, d in enumerate(lhs) if i not in get["lhs_batch_dims"] + get["lhs_contracting_dims"]]))
@@ -87,7 +76,7 @@ def _fusion_reads(body: list, sizes: list[float]) -> list[float]:
             params[name] = int(m.group(1))
     users: dict = defaultdict(list)
     for name, shape, opcode, rest in body:
-        for position, o in enumerate(_operands(rest)):
+        for position, o in enumerate(hlo.operand_names(rest)):
             users[o].append((name, opcode, shape, position))
 
     def sliced(name: str, depth: int = 0):
@@ -117,7 +106,7 @@ def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float
     place (the layer scan's stacked residuals): the update's bytes, not the buffer's; a (dynamic-)slice reads
     only the slice it returns, inside a fusion too."""
     body = _callee(mod, rest) if opcode == "fusion" else []
-    sizes = [hlo.shape_bytes(shapes.get(o, "")) for o in _operands(rest)]
+    sizes = [hlo.shape_bytes(shapes.get(o, "")) for o in hlo.operand_names(rest)]
     if not body:
         if opcode == "dynamic-update-slice" and len(sizes) > 1:
             return 2.0 * sizes[1]
@@ -129,7 +118,7 @@ def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float
     if root != "dynamic-update-slice":
         return sum(reads) + hlo.shape_bytes(shape)
     body_shapes = {n: sh for n, sh, _op, _r in body}
-    buffer, update = (_operands(root_rest) + ["", ""])[:2]
+    buffer, update = (hlo.operand_names(root_rest) + ["", ""])[:2]
     param = re.match(r"parameter\((\d+)\)", next((r for n, _sh, op, r in body if n == buffer and op == "parameter"), ""))
     if param and int(param.group(1)) < len(reads):
         reads[int(param.group(1))] = 0.0  # the buffer is written in place, not read
@@ -174,7 +163,9 @@ class _Walk:
         return st.get("gemm_s", 0.0) + st.get("mem_bytes", 0.0) / self.bw
 
     def dot(self, shape: str, rest: str, shapes: dict) -> dict:
-        gpu, ops = self.gpu, _operands(rest)
+        """A ``dot`` or a cuBLAS GEMM call (whose result comes with a workspace: the first array is the
+        product)."""
+        gpu, ops, shape = self.gpu, hlo.operand_names(rest), hlo.first_array(shape)
         m, n, k, batch = _dot_dims(rest, *(hlo.shape_dims(shapes.get(o, "")) for o in ops[:2]))
         fp8 = any(shapes.get(o, "").startswith("f8") for o in ops[:2]) and bool(gpu.fp8_peak_tflops)
         moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in ops[:2]) + hlo.shape_bytes(shape)
@@ -191,7 +182,7 @@ class _Walk:
         kind = _KERNEL_GEMM.search(rest)
         if not kind:
             return None
-        ops = [hlo.shape_dims(shapes.get(o, "")) for o in _operands(rest)]
+        ops = [hlo.shape_dims(shapes.get(o, "")) for o in hlo.operand_names(rest)]
         out = hlo.shape_dims(shape)
         if kind.group(1) == "fp8_blockwise_matmul":
             m, n, k, fp8 = out[0], out[1], ops[0][-1], True
@@ -200,7 +191,7 @@ class _Walk:
         else:                           # [M, N] from rows [M, K] and the experts
             m, n, k, fp8 = out[0], out[1], ops[1][-1], False
         fp8 = fp8 and bool(self.gpu.fp8_peak_tflops)
-        moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in _operands(rest)) + hlo.shape_bytes(shape)
+        moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in hlo.operand_names(rest)) + hlo.shape_bytes(shape)
         t = gemm_time(m, n, k, 1, self.gpu.fp8_peak_tflops if fp8 else self.gpu.peak_tflops, self.gpu.hbm_gbps,
                       moved, self.model, fp8=fp8)
         key = f"kernel {kind.group(1)} {m}x{n}x{k}"
@@ -231,6 +222,8 @@ class _Walk:
             return {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)}
         st: dict = {}
         gemm = self.kernel(shape, rest, shapes) if opcode == "custom-call" else None
+        if hlo.is_gemm_call(opcode, rest):
+            gemm = self.dot(shape, rest, shapes)
         if opcode == "custom-call":
             target = re.search(r'custom_call_target="([^"]*)"', rest)
             _add(st, {"custom_calls": {target.group(1) if target else "?": 1.0}})
@@ -251,7 +244,7 @@ class _Walk:
             if fused:   # inside a fusion only its GEMMs count: the fusion's bytes are counted at its call
                 if opcode == "fusion":
                     _add(st, self.comp(callees.get("calls", ""), fused=True))
-                elif opcode == "dot":
+                elif opcode == "dot" or hlo.is_gemm_call(opcode, rest):
                     _add(st, self.dot(shape, rest, shapes))
                 continue
             if opcode == "while":
