@@ -173,6 +173,50 @@ def test_a_cublas_gemm_call_is_a_dot():
     assert a["custom_calls"] == {"__cublas$lt$matmul": 1.0}
 
 
+ASYNC_MODULE = """HloModule m, is_scheduled=true
+
+%fused_update (b: f32[64,1024], u: f32[1,1024], i: s32[]) -> f32[64,1024] {
+  %b = f32[64,1024]{1,0} parameter(0)
+  %u = f32[1,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[64,1024]{1,0} dynamic-update-slice(%b, %u, %i, %z)
+}
+
+%wrapped (b.1: f32[64,1024], u.1: f32[1,1024], i.1: s32[]) -> f32[64,1024] {
+  %b.1 = f32[64,1024]{1,0} parameter(0)
+  %u.1 = f32[1,1024]{1,0} parameter(1)
+  %i.1 = s32[] parameter(2)
+  ROOT %f.1 = f32[64,1024]{1,0} fusion(%b.1, %u.1, %i.1), kind=kLoop, calls=%fused_update
+}
+
+ENTRY %main (p0: f32[64,1024], p1: f32[1,1024], p2: s32[]) -> f32[64,1024] {
+  %p0 = f32[64,1024]{1,0} parameter(0)
+  %p1 = f32[1,1024]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  UPDATE
+}
+"""
+SYNC = "ROOT %f = f32[64,1024]{1,0} fusion(%p0, %p1, %p2), kind=kLoop, calls=%fused_update"
+FUSION_START = ("%st = ((f32[64,1024]{1,0}, f32[1,1024]{1,0}, s32[]), f32[64,1024]{1,0}, u32[]) fusion-start(%p0, %p1, "
+                "%p2), kind=kLoop, calls=%fused_update\n  ROOT %d = f32[64,1024]{1,0} fusion-done(%st)")
+ASYNC_START = ("%st = ((f32[64,1024]{1,0}, f32[1,1024]{1,0}, s32[]), f32[64,1024]{1,0}, u32[]) async-start(%p0, %p1, "
+               "%p2), calls=%wrapped\n  ROOT %d = f32[64,1024]{1,0} async-done(%st)")
+
+
+def test_async_compute_is_timed_as_its_fusion():
+    """Newer XLA:GPU (jax 0.12, MaxText's module) runs the layer scan's dynamic-update-slices as async fusions
+    (fusion-start, or async-start around a computation): each is timed as the same fusion run synchronously,
+    its in-place update's bytes (not the whole buffer's), one launch."""
+    cfg = config_lib.load(None, ["parallel.data=1"])
+    runs = [steptime.predict(cfg, ASYNC_MODULE.replace("UPDATE", u), H100, {}, 1, 1.0)
+            for u in (SYNC, FUSION_START, ASYNC_START)]
+    for r in runs:
+        assert r["memory_bound"]["bytes"] == 2 * 4 * 1024 + 4  # the update read and written, the index
+        assert r["step_time_s"] == runs[0]["step_time_s"] > 0
+        assert r["kernels_per_step"]["fusions"] == 1
+
+
 if __name__ == "__main__":  # write the committed module again (needs jax-cuda12-plugin == jax; module doc)
     result = plan(_cfg(), H100, 2, "gpu", keep_hlo=True)
     with open(HLO, "wb") as f:

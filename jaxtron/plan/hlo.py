@@ -364,6 +364,12 @@ def shape_dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
+def tuple_element(shape: str, index: int) -> str:
+    """Element ``index`` of a tuple shape ("" when there is none)."""
+    elems = _tuple_elements(shape)
+    return elems[index] if index < len(elems) else ""
+
+
 def first_array(shape: str) -> str:
     """The first array of a shape: a cuBLAS call's result is (result, workspace bytes)."""
     m = _SHAPE_RE.search(shape)

@@ -203,13 +203,24 @@ class _Walk:
 
     def instr(self, shape: str, opcode: str, rest: str, shapes: dict) -> dict:
         """One executed instruction that is neither control flow nor a collective: a dot, a fusion (its GEMMs,
-        or one memory-bound op), a Pallas GEMM kernel or a memory-bound op."""
+        or one memory-bound op), a Pallas GEMM kernel or a memory-bound op. Compute XLA runs asynchronously
+        (``fusion-start``, or ``async-start`` around a computation that is not a collective: newer XLA:GPU
+        does so with the layer scan's dynamic-update-slices) is timed where it starts, as if it ran on the
+        compute stream; its ``*-done`` is free."""
         key = (shape, rest)  # the operand names in ``rest`` make it one instruction's
         if key not in self.instr_memo:
-            # each executed instruction here is one kernel launch (a GEMM fusion, a fused elementwise or
-            # reduction kernel, a custom call, an unfused copy or sort)
-            launch = {"fusion": "fusions", "custom-call": "custom_calls"}.get(opcode, "other")
-            self.instr_memo[key] = {**self._instr(shape, opcode, rest, shapes), "launches": {launch: 1.0}}
+            if opcode == "async-start":  # the wrapped computation's instructions, launches included
+                st = self.comp(dict(hlo.CALLEE_RE.findall(rest)).get("calls", ""))
+            elif opcode == "fusion-done":
+                st = {}
+            else:
+                if opcode == "fusion-start":  # ((operands), result, context): the fusion's result
+                    shape, opcode = hlo.tuple_element(shape, 1), "fusion"
+                # each executed instruction here is one kernel launch (a GEMM fusion, a fused elementwise or
+                # reduction kernel, a custom call, an unfused copy or sort)
+                launch = {"fusion": "fusions", "custom-call": "custom_calls"}.get(opcode, "other")
+                st = {**self._instr(shape, opcode, rest, shapes), "launches": {launch: 1.0}}
+            self.instr_memo[key] = st
         return self.instr_memo[key]
 
     def _instr(self, shape: str, opcode: str, rest: str, shapes: dict) -> dict:
@@ -257,7 +268,7 @@ class _Walk:
                     _add(st, max(runs, key=self.seconds))
             elif opcode == "call":
                 _add(st, self.comp(callees.get("to_apply", callees.get("calls", ""))))
-            elif opcode in _SKIP or _COLLECTIVE.search(opcode):
+            elif opcode in _SKIP or (_COLLECTIVE.search(opcode) and opcode != "async-start"):
                 continue
             else:
                 _add(st, self.instr(shape, opcode, rest, shapes))
