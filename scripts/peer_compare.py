@@ -322,17 +322,23 @@ def compare_row(name: str, args, python: str, versions: dict) -> dict:
         if mt_jax and mt_jax != versions.get("jax"):
             out["notes"].append(f"not the same XLA: MaxText compiled with jax {mt_jax}, jaxtron with jax "
                                 f"{versions.get('jax')}")
-    try:
-        out["jaxtron"] = plan_part(rowdir / "jaxtron.json", python, argv, args, versions)
-    except RowError as err:
-        out["errors"]["jaxtron"] = str(err)
-    if maxtext:
-        hlo = ["--hlo", str(rowdir / "maxtext.hlo.txt.gz"), "--memory-json", str(rowdir / "maxtext.memory.json")]
+    hlo = ["--hlo", str(rowdir / "maxtext.hlo.txt.gz"), "--memory-json", str(rowdir / "maxtext.memory.json")]
+    for program, path, plan_argv in (("jaxtron", rowdir / "jaxtron.json", argv),
+                                     ("maxtext", rowdir / "maxtext_plan.json", hlo + argv)):
+        if program == "maxtext" and not maxtext:
+            continue
+        if program not in args.programs:  # not asked for: an earlier plan, as it is, keeps the table whole
+            try:
+                out[program] = json.loads(path.read_text())
+                out["notes"].append(f"{program}: the plan of an earlier run ({path.name}; --programs)")
+            except (OSError, ValueError):
+                out["errors"][program] = "not planned (--programs) and no earlier plan"
+            continue
         try:
-            out["maxtext"] = plan_part(rowdir / "maxtext_plan.json", python, hlo + argv, args, versions,
-                                       newer_than=rowdir / "maxtext.hlo.txt.gz")
+            out[program] = plan_part(path, python, plan_argv, args, versions,
+                                     newer_than=rowdir / "maxtext.hlo.txt.gz" if program == "maxtext" else None)
         except RowError as err:
-            out["errors"]["maxtext"] = str(err)
+            out["errors"][program] = str(err)
     return out
 
 
@@ -410,7 +416,9 @@ def _waits(ws: list) -> str:
     last two parts of its op_name)."""
     def served(op: str) -> str:
         return f" ({'/'.join(op.split('/')[-2:])[:48]})" if op else ""
-    return "; ".join(f"{_g(w['seconds'] * 1e3)} ms {w['collective']}{served(w['op'])}" for w in ws) or "—"
+    def secs(x: float) -> str:
+        return f"{x:.3g} s" if x >= 1 else f"{_g(x * 1e3)} ms"
+    return "; ".join(f"{secs(w['seconds'])} {w['collective']}{served(w['op'])}" for w in ws) or "—"
 
 
 COLUMNS = ("row", "program", "step s", "tok/s/GPU", "MFU", "dots / model FLOPs", "mem-bound GB", "AG GB",
@@ -464,6 +472,8 @@ def parse_args(argv):
     p.add_argument("--tiny-data", type=Path, default=TINY_DATA, metavar="PREFIX",
                    help="--tiny: MaxText's module as PREFIX.hlo.txt.gz, PREFIX.memory.json, PREFIX.json (default: "
                         "the committed tests/data/maxtext_tiny_fsdp8_h100)")
+    p.add_argument("--programs", nargs="+", choices=("jaxtron", "maxtext"), default=["jaxtron", "maxtext"],
+                   help="plan only these (default both; MaxText's compile runs for either: it gives the settings)")
     p.add_argument("--force", action="store_true", help="redo every part, cached or not")
     p.add_argument("--keep-stale", action="store_true", help="reuse cached plans made by other jaxtron code (the "
                                                              "same command and jax)")
