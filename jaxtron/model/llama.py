@@ -251,8 +251,8 @@ class Llama(nnx.Module):
         """The LM head [hidden, vocab] (the embedding's transpose when tied) in the parameter dtype, as its
         matmul reads it (:func:`~jaxtron.parallel.sharding.matmul_weight`). ``gathered``: split over ``vocab``
         only, i.e. gathered over the axes that split parameters alone (FSDP); for a loss that applies
-        :meth:`head` chunk by chunk, so the head is gathered once (and its gradient reduce-scattered once)
-        per micro batch rather than once per chunk."""
+        :meth:`head` chunk by chunk, so the head is gathered once (and its gradient reduce-scattered once) per
+        micro batch rather than once per chunk."""
         if self.cfg.tie_embeddings:
             w = matmul_weight(self.embed[...], ("vocab", "embed")).T
         else:
@@ -261,8 +261,7 @@ class Llama(nnx.Module):
 
     def head(self, x: jax.Array, weight: Optional[jax.Array] = None) -> jax.Array:
         """The LM head on final-normed hidden states: [batch, seq, hidden] -> fp32 logits [batch, seq, vocab].
-        ``weight``: :meth:`head_weight`, when the caller read it already. It is cast to the compute dtype here,
-        so the gradient a chunked loss accumulates over its chunks stays in the parameter dtype."""
+        ``weight``: :meth:`head_weight`, when the caller read it already (cast to the compute dtype here)."""
         weight = self.head_weight() if weight is None else weight
         logits = self.matmuls.project("bsd,dv->bsv", x, weight.astype(x.dtype), jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))

@@ -8,6 +8,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, z_loss: float = 0.0):
@@ -34,13 +35,14 @@ def loss_chunks(rows: int, seq: int, chunk_tokens: int) -> tuple[int, int]:
     return -(-seq // per_chunk), per_chunk  # rounding up the width may leave fewer chunks
 
 
-def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
-                               loss_mask: jax.Array, z_loss: float, chunk_tokens: int):
-    """:func:`cross_entropy_sums` of ``head(hidden)`` (the LM head: [rows, positions, hidden] -> fp32 logits)
-    computed a chunk of about ``chunk_tokens`` tokens at a time (:func:`loss_chunks`), so that neither the
-    forward nor the backward holds the logits of more than one chunk: a scan over the chunks whose body is
-    checkpointed, so the backward recomputes each chunk's logits from its hidden states. The same sums as the
-    whole micro batch's, up to fp32 reassociation.
+def chunked_cross_entropy_sums(head: Callable[[jax.Array, jax.Array], jax.Array], weight: jax.Array,
+                               hidden: jax.Array, targets: jax.Array, loss_mask: jax.Array, z_loss: float,
+                               chunk_tokens: int):
+    """:func:`cross_entropy_sums` of ``head(hidden, weight)`` (the LM head: [rows, positions, hidden] and its
+    weight -> fp32 logits) computed a chunk of about ``chunk_tokens`` tokens at a time (:func:`loss_chunks`),
+    so that neither the forward nor the backward holds the logits of more than one chunk: a scan over the
+    chunks, and in the backward a second scan that recomputes each chunk's logits from its hidden states. The
+    same sums and gradients as the whole micro batch's, up to fp32 reassociation.
 
     Chunk j holds positions j, j + chunks, j + 2 * chunks, ... of every row: the rows and the sequence keep
     the batch's sharding (a sequence split over devices in contiguous blocks stays split), and the loss is a
@@ -54,14 +56,46 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], hidden: j
         hidden, targets, loss_mask = widen(hidden), widen(targets), widen(loss_mask)
     # [rows, per_chunk * chunks, ...] -> [chunks, rows, per_chunk, ...], chunk j = positions j mod chunks
     split = lambda a: jnp.moveaxis(a.reshape(rows, per_chunk, chunks, *a.shape[2:]), 2, 0)
+    return _chunk_loop(head, z_loss, split(hidden), weight, split(targets), split(loss_mask).astype(jnp.float32))
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan CSE cannot merge the recomputation
-    def chunk_sums(x, t, m):
-        return cross_entropy_sums(head(x), t, m, z_loss)
+
+def _chunk_sums(head, z_loss, x, weight, targets, mask):
+    return cross_entropy_sums(head(x, weight), targets, mask, z_loss)
+
+
+# A custom_vjp rather than jax.checkpoint around the scan body: differentiating a scan accumulates the gradient
+# of a weight it closes over in that weight's dtype, chunk after chunk, so either a bf16 head sums its chunks'
+# gradients in bf16, or an fp32 head stays alive through the loops and is cast again for every chunk. Here the
+# forward casts the head to the compute dtype once (that copy is what the backward keeps) and the backward adds
+# the chunks' gradients into an fp32 accumulator, returned in the head's own dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunk_loop(head, z_loss, xs, weight, targets, mask):
+    return _chunk_loop_fwd(head, z_loss, xs, weight, targets, mask)[0]
+
+
+def _chunk_loop_fwd(head, z_loss, xs, weight, targets, mask):
+    w = weight.astype(xs.dtype)
 
     def body(acc, chunk):
-        return tuple(a + b for a, b in zip(acc, chunk_sums(*chunk))), None
+        return tuple(a + b for a, b in zip(acc, _chunk_sums(head, z_loss, chunk[0], w, *chunk[1:]))), None
 
     zero = jnp.zeros((), jnp.float32)
-    sums, _ = jax.lax.scan(body, (zero, zero, zero), (split(hidden), split(targets), split(loss_mask)))
-    return sums
+    sums, _ = jax.lax.scan(body, (zero, zero, zero), (xs, targets, mask))
+    return sums, (xs, w, targets, mask, jnp.zeros((0,), weight.dtype))
+
+
+def _chunk_loop_bwd(head, z_loss, residuals, cotangent):
+    xs, w, targets, mask, weight_dtype = residuals
+
+    def body(dw, chunk):
+        x, t, m = chunk
+        _, vjp = jax.vjp(lambda x, w: _chunk_sums(head, z_loss, x, w, t, m), x, w)
+        dx, dw_chunk = vjp(cotangent)
+        return dw + dw_chunk.astype(jnp.float32), dx
+
+    dw, dxs = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), (xs, targets, mask))
+    no_targets = np.zeros(targets.shape, jax.dtypes.float0)  # integers: no gradient
+    return dxs, dw.astype(weight_dtype.dtype), no_targets, jnp.zeros_like(mask)
+
+
+_chunk_loop.defvjp(_chunk_loop_fwd, _chunk_loop_bwd)

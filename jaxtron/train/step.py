@@ -46,8 +46,7 @@ def _head_sums(model, hidden, batch, z_loss: float, chunk_tokens: int):
     targets, mask = batch["targets"], batch["loss_mask"]
     if chunk_tokens:
         weight = model.head_weight(gathered=True)  # gathered once, outside the loop over the chunks
-        ce, z, n = chunked_cross_entropy_sums(lambda x: model.head(x, weight), hidden, targets, mask, z_loss,
-                                              chunk_tokens)
+        ce, z, n = chunked_cross_entropy_sums(model.head, weight, hidden, targets, mask, z_loss, chunk_tokens)
     else:
         ce, z, n = cross_entropy_sums(model.head(hidden), targets, mask, z_loss)
     return ce + z, (ce, n, {})
