@@ -217,6 +217,22 @@ def test_async_compute_is_timed_as_its_fusion():
         assert r["kernels_per_step"]["fusions"] == 1
 
 
+def test_a_recomputed_attention_forward_is_read_from_the_kernel_calls():
+    """Forward passes against backward passes, a pass calling each of its kernels once: MaxText's cuDNN module
+    (llama3_8b.yml, remat minimal_with_context: 32 layers, one peeled call) recomputes the forward; jaxtron's
+    Pallas backward is two kernels a pass."""
+    maxtext = {"fwd __cudnn$fmhaSoftmax": 63.0, "bwd __cudnn$fmhaSoftmaxBackward": 32.0}
+    assert steptime.attention_passes(maxtext) == {"fwd": 63.0, "bwd": 32.0}
+    assert steptime.recomputes_attention(maxtext)
+    pallas = {"fwd flash_attention_fwd": 4.0, "bwd flash_attention_bwd_dkv": 4.0, "bwd flash_attention_bwd_dq": 4.0}
+    assert steptime.recomputes_attention(pallas) is False
+    assert steptime.recomputes_attention({**pallas, "fwd flash_attention_fwd": 8.0})
+    assert steptime.recomputes_attention({"fwd flash_attention_fwd": 4.0}) is None  # no backward: inference
+    cfg = config_lib.load(None, ["model.attention_impl=cudnn", "model.remat=none"])
+    once, again = (steptime.attention_seconds(cfg, 1, recompute=r) for r in (False, True))
+    assert once == steptime.attention_seconds(cfg, 1) and again == pytest.approx(once * 4.5 / 3.5)
+
+
 if __name__ == "__main__":  # write the committed module again (needs jax-cuda12-plugin == jax; module doc)
     result = plan(_cfg(), H100, 2, "gpu", keep_hlo=True)
     with open(HLO, "wb") as f:

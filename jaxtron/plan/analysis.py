@@ -85,12 +85,15 @@ def collective_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, 
 
 
 def analyze(cfg: Config, layout: Layout, gpu: GpuSpec, text: str, node_of: np.ndarray,
-            moe_gemm: str = "as_compiled", attention_impl: Optional[str] = None) -> dict:
+            moe_gemm: str = "as_compiled", attention_impl: Optional[str] = None,
+            recompute_from_module: bool = False) -> dict:
     """The module's figures per device per step. ``cfg`` and ``layout`` describe the program (model FLOPs,
     tokens per step, the attention model, which mesh axes a replica group spans); ``node_of[i]``: the node of
     logical device i; ``attention_impl``: the attention kernel to time the module's attention calls as (None:
-    ``cfg``'s). Keys: moe, flops, collectives, dots, dots_moe_experts, kernels, async_overlap, roofline,
-    step_model, ops (the collectives, for callers that keep them) and notes."""
+    ``cfg``'s); ``recompute_from_module``: attention's recomputed forward read from the module's kernel calls,
+    not from ``model.remat`` (:func:`jaxtron.plan.steptime.predict`). Keys: moe, flops, collectives, dots,
+    dots_moe_experts, kernels, async_overlap, roofline, step_model, ops (the collectives, for callers that keep
+    them) and notes."""
     n = layout.num_devices
     ops = hlo.collectives(text, n)
     dots = hlo_counts.dot_flops(text, pmoe.EXPERT_MATMULS)
@@ -112,7 +115,7 @@ def analyze(cfg: Config, layout: Layout, gpu: GpuSpec, text: str, node_of: np.nd
                           for kind in ASYNC_KINDS for ps in [hlo_counts.async_overlap(text, kind)] if ps},
         "roofline": roof,
         "step_model": steptime.predict(cfg, text, gpu, collective_seconds(cfg, layout, gpu, ops, node_of, moe_gemm),
-                                       n, roof["model_flops_per_step"], attention_impl),
+                                       n, roof["model_flops_per_step"], attention_impl, recompute_from_module),
         "ops": ops,
         "notes": notes,
     }

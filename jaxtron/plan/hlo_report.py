@@ -107,15 +107,15 @@ def _attention_note(cfg: Config, impl: str) -> Optional[str]:
             "model times attention as the module runs it")
 
 
-def _recompute_note(cfg: Config, calls: dict) -> Optional[str]:
-    """Where the module's attention calls say the forward is (or is not) recomputed, unlike ``model.remat``: the
-    attention model counts a second forward under ``remat=full`` only."""
-    fwd, bwd = calls.get("fwd", 0.0), calls.get("bwd", 0.0)
-    if not bwd or (fwd >= 1.5 * bwd) == (cfg.model.remat == "full"):
+def _recompute_note(cfg: Config, kernels: dict) -> Optional[str]:
+    """Where the module's attention kernels say the forward is (or is not) recomputed, unlike ``model.remat``."""
+    recomputed = steptime.recomputes_attention(kernels)
+    if recomputed is None or recomputed == (cfg.model.remat == "full"):
         return None
-    return (f"attention: the module runs {fwd:.0f} forward and {bwd:.0f} backward kernel calls per step, yet the "
-            f"config says model.remat={cfg.model.remat}: the attention model counts a recomputed forward only "
-            "under model.remat=full")
+    passes = steptime.attention_passes(kernels)
+    return (f"attention: the module runs {passes['fwd']:.0f} forward and {passes['bwd']:.0f} backward passes per "
+            f"step, so its forward is {'' if recomputed else 'not '}recomputed in the backward "
+            f"(model.remat={cfg.model.remat} says otherwise); the attention model counts it as the module runs it")
 
 
 def plan_hlo(cfg: Config, gpu: GpuSpec, num_gpus: int, text: str, memory: Optional[dict] = None,
@@ -134,13 +134,13 @@ def plan_hlo(cfg: Config, gpu: GpuSpec, num_gpus: int, text: str, memory: Option
     layout = Layout.planned(cfg, num_gpus)
     node_of = np.arange(num_gpus) // gpu.gpus_per_node
     impl = steptime.attention_impl_of(text) or "xla"
-    a = analyze(cfg, layout, gpu, text, node_of, moe_gemm, impl)
+    a = analyze(cfg, layout, gpu, text, node_of, moe_gemm, impl, recompute_from_module=True)
     mem = memory_from_sizes(memory, gpu) if memory is not None else None
     notes = [f"module read from {source_name or 'text'}, not compiled here: model FLOPs, tokens per step, the "
              "attention model and the mesh axes of its replica groups come from the config given with it "
              f"({layout.describe()}), every other figure from the module; the roofline is the config's closed "
              "form with the module's collectives"]
-    notes += [n for n in [_attention_note(cfg, impl), _recompute_note(cfg, a["step_model"]["attention_calls"])] if n]
+    notes += [n for n in [_attention_note(cfg, impl), _recompute_note(cfg, a["step_model"]["attention_kernels"])] if n]
     notes += a["notes"] + ([USABLE_NOTE.format(gpu.mem_fraction)] if mem else [NO_MEMORY_NOTE])
     notes += [PIPELINE_NOTE] if cfg.parallel.stage > 1 else []
     return {

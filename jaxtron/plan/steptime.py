@@ -125,16 +125,21 @@ def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float
     return sum(reads) + hlo.shape_bytes(body_shapes.get(update, ""))
 
 
+def _recomputed(cfg: Config, recompute: Optional[bool]) -> bool:
+    return cfg.model.remat == "full" if recompute is None else recompute
+
+
 def attention_seconds(cfg: Config, num_devices: int, tflops: Optional[float] = None,
-                      impl: Optional[str] = None) -> float:
+                      impl: Optional[str] = None, recompute: Optional[bool] = None) -> float:
     """The attention kernels' time per device per step, when they are custom calls (module doc); ``tflops``
-    overrides the measured rate."""
+    overrides the measured rate; ``recompute``: whether the backward runs the forward again (None: under
+    ``model.remat=full``)."""
     m, impl = cfg.model, impl or cfg.model.attention_impl
     if impl not in ATTENTION_TFLOPS:
         return 0.0
     s = cfg.data.seq_len
     forward = 2 * 2 * s * m.num_heads * head_dim(m) * 0.5 * cfg.train.global_batch_size * s * m.num_layers
-    factor = 3.5 + (1.0 if m.remat == "full" else 0.0)
+    factor = 3.5 + (1.0 if _recomputed(cfg, recompute) else 0.0)
     return forward * factor / num_devices / ((tflops or ATTENTION_TFLOPS[impl]) * 1e12)
 
 
@@ -238,9 +243,9 @@ class _Walk:
         if opcode == "custom-call":
             target = re.search(r'custom_call_target="([^"]*)"', rest)
             _add(st, {"custom_calls": {target.group(1) if target else "?": 1.0}})
-            kind = attention_call(rest)
-            if kind:
-                _add(st, {"attention_calls": {kind: 1.0}})
+            kernel = attention_kernel(rest)
+            if kernel:
+                _add(st, {"attention_calls": {kernel[0]: 1.0}, "attention_kernels": {" ".join(kernel): 1.0}})
         _add(st, gemm or {"mem_ops": 1.0, "mem_bytes": _moved_bytes(self.mod, opcode, rest, shape, shapes)})
         return st
 
@@ -276,16 +281,22 @@ class _Walk:
         return st
 
 
-def attention_call(rest: str):
-    """'fwd' or 'bwd' for a custom call that is an attention kernel (Pallas Triton or Mosaic flash attention by
-    its kernel name, cuDNN's fused attention by its target), else None."""
+def attention_kernel(rest: str) -> Optional[tuple[str, str]]:
+    """('fwd' or 'bwd', kernel name) for a custom call that is an attention kernel (Pallas Triton or Mosaic
+    flash attention by its kernel name, cuDNN's fused attention by its target), else None."""
     target = re.search(r'custom_call_target="([^"]*)"', rest)
     if target and target.group(1).startswith("__cudnn$fmha"):
-        return "bwd" if "Backward" in target.group(1) else "fwd"
+        return ("bwd" if "Backward" in target.group(1) else "fwd"), target.group(1)
     name = re.search(r"flash_attention\w*", rest)
     if not name:
         return None
-    return "bwd" if re.search(r"bwd|dkv|_dq", name.group(0)) else "fwd"
+    return ("bwd" if re.search(r"bwd|dkv|_dq", name.group(0)) else "fwd"), name.group(0)
+
+
+def attention_call(rest: str) -> Optional[str]:
+    """'fwd' or 'bwd' for a custom call that is an attention kernel (:func:`attention_kernel`), else None."""
+    kernel = attention_kernel(rest)
+    return kernel[0] if kernel else None
 
 
 def attention_impl_of(text: str) -> Optional[str]:
@@ -317,13 +328,15 @@ def ops_time(walk: "_Walk", entry: str) -> dict:
     launches = {k: st.get("launches", {}).get(k, 0.0) for k in ("fusions", "custom_calls", "other")}
     return {"gemm": gemms, "gemm_top_shapes": dict(top), "memory_bound": memory,
             "custom_calls": st.get("custom_calls", {}), "attention_calls": st.get("attention_calls", {}),
+            "attention_kernels": st.get("attention_kernels", {}),
             "kernels_per_step": {**launches, "total": sum(launches.values())}}
 
 
-def attention_per_call(cfg: Config, total_s: float, calls: dict) -> dict:
+def attention_per_call(cfg: Config, total_s: float, calls: dict, recompute: Optional[bool] = None) -> dict:
     """Seconds of one attention kernel call by 'fwd'/'bwd': the forward passes' share of ``total_s`` (1, or 2
-    under ``remat=full``, of 3.5 or 4.5) over the forward calls, the backward's over the backward calls."""
-    full = 1.0 if cfg.model.remat == "full" else 0.0
+    when recomputed, :func:`attention_seconds`, of 3.5 or 4.5) over the forward calls, the backward's over the
+    backward calls."""
+    full = 1.0 if _recomputed(cfg, recompute) else 0.0
     fwd, bwd = calls.get("fwd", 0.0), calls.get("bwd", 0.0)
     if not fwd or not bwd:
         return {k: total_s / (fwd + bwd) for k in ("fwd", "bwd")} if fwd + bwd else {}
@@ -342,19 +355,41 @@ def gemm_model(gpu) -> GemmModel:
     return dataclasses.replace(model, **{k: v for k, v in over.items() if v is not None})
 
 
+def attention_passes(kernels: dict) -> dict:
+    """Forward and backward attention passes per step from the kernels' calls (``attention_kernels``: 'fwd
+    NAME' or 'bwd NAME' -> calls): a pass calls each of its kernels once (jaxtron's Pallas backward is a dK/dV
+    and a dQ kernel, cuDNN's one call), so a kind's passes are its most called kernel's calls."""
+    out = {"fwd": 0.0, "bwd": 0.0}
+    for key, n in kernels.items():
+        kind = key.split(" ", 1)[0]
+        out[kind] = max(out.get(kind, 0.0), n)
+    return out
+
+
+def recomputes_attention(kernels: dict) -> Optional[bool]:
+    """Whether a module's attention kernels (``attention_kernels``) run the forward again in the backward:
+    twice as many forward passes as backward ones, within rounding (a peeled loop iteration); None without
+    backward passes."""
+    passes = attention_passes(kernels)
+    return passes["fwd"] >= 1.5 * passes["bwd"] if passes["bwd"] else None
+
+
 def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, model_flops_full: float,
-            attention_impl: Optional[str] = None) -> dict:
+            attention_impl: Optional[str] = None, recompute_from_module: bool = False) -> dict:
     """The step-time prediction (module doc); ``collective_s``: seconds per execution of each collective, keyed
     by (computation, instruction name); ``attention_impl``: the kernel the cluster runs, when the compile had to
     put another in its place (cuDNN is compiled as Pallas flash attention without cuDNN's libraries): its
-    measured rate times the attention calls."""
+    measured rate times the attention calls. ``recompute_from_module``: whether attention's forward is
+    recomputed is read from the module's calls (:func:`recomputes_attention`; a module compiled elsewhere,
+    whose remat policy ``cfg`` may not name), not from ``model.remat``."""
     model = gemm_model(gpu)
     mod = hlo.parse_module(text)
     walk = _Walk(mod, gpu, model)
     ops = ops_time(walk, mod.entry)
     impl = attention_impl or cfg.model.attention_impl
-    attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops, impl)
-    per_call = attention_per_call(cfg, attention_s, ops["attention_calls"])
+    recompute = recomputes_attention(ops["attention_kernels"]) if recompute_from_module else None
+    attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops, impl, recompute)
+    per_call = attention_per_call(cfg, attention_s, ops["attention_calls"], recompute)
     schedule = Schedule(walk, collective_s, per_call)
     replay = schedule.run(mod.entry)
     # attention time that no call in the HLO carries (a kernel the replay does not recognise) runs serially
