@@ -374,6 +374,19 @@ def recomputes_attention(kernels: dict) -> Optional[bool]:
     return passes["fwd"] >= 1.5 * passes["bwd"] if passes["bwd"] else None
 
 
+def _named_waits(mod, waits: list[dict]) -> list[dict]:
+    """The waits with an ``async-start``'s collective named by the kind it wraps (XLA:GPU wraps collectives in
+    generic async pairs as well as in their own ``*-start``), not as 'async'."""
+    starts = {name: rest for instrs in mod.computations.values() for name, _s, opcode, rest in instrs
+              if opcode == "async-start"}
+    for w in waits:
+        callee = dict(hlo.CALLEE_RE.findall(starts.get(w["instruction"], ""))).get("calls", "")
+        kinds = [op for _n, _s, op, _r in mod.computations.get(callee, []) if op in hlo.KINDS]
+        if w["collective"] == "async" and kinds:
+            w["collective"] = kinds[0]
+    return waits
+
+
 def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, model_flops_full: float,
             attention_impl: Optional[str] = None, recompute_from_module: bool = False) -> dict:
     """The step-time prediction (module doc); ``collective_s``: seconds per execution of each collective, keyed
@@ -402,7 +415,7 @@ def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, m
         "mfu": model_flops_full / (num_devices * gpu.peak_tflops * 1e12 * step),
         "gemm_s": ops["gemm"]["seconds"], "attention_s": attention_s, "memory_bound_s": ops["memory_bound"]["seconds"],
         "compute_s": compute, "comm_s": replay["comm"], "exposed_comm_s": replay["exposed"],
-        "overlapped_comm_s": replay["comm"] - replay["exposed"], "longest_waits": schedule.top_waits(),
+        "overlapped_comm_s": replay["comm"] - replay["exposed"], "longest_waits": _named_waits(mod, schedule.top_waits()),
         "gemm_efficiency": ops["gemm"]["efficiency"], **ops,
         "constants": {**{k: v for k, v in model.__dict__.items() if k != "table"}, "table_points": len(model.table),
                       "attention_impl": impl, "attention_tflops": gpu.attention_tflops or ATTENTION_TFLOPS.get(impl)},
