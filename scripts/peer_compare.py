@@ -354,7 +354,7 @@ def _get(d: Optional[dict], *keys, default=None):
 
 
 FIGURES = ("jax", "step_time_s", "tokens_per_s_per_gpu", "mfu", "dot_flops_per_device", "model_flops_per_device",
-           "dot_over_model_flops", "gemm_s", "attention_s", "memory_bound_s", "memory_bound_bytes",
+           "dot_over_model_flops", "timed_over_dot_flops", "gemm_s", "attention_s", "memory_bound_s", "memory_bound_bytes",
            "collective_wire_bytes", "comm_s", "exposed_comm_s", "longest_waits", "kernels_per_step", "peak_bytes",
            "fits", "prediction_error")
 
@@ -379,6 +379,9 @@ def program_line(result: dict, program: str) -> dict:
         "step_time_s": sm["step_time_s"], "tokens_per_s_per_gpu": sm["tokens_per_s_per_gpu"], "mfu": sm["mfu"],
         "dot_flops_per_device": dots, "model_flops_per_device": fl["model_flops_per_device"],
         "dot_over_model_flops": dots / fl["model_flops_per_device"] if fl["model_flops_per_device"] else None,
+        # the GEMM FLOPs the step model timed over the HLO's dot FLOPs: 1 when it timed every GEMM it counted
+        # (Pallas GEMM kernels are timed but are not dots)
+        "timed_over_dot_flops": (sm["gemm"]["flops"] - sm["gemm"].get("kernel_flops", 0.0)) / dots if dots else None,
         "gemm_s": sm["gemm_s"], "attention_s": sm["attention_s"], "memory_bound_s": sm["memory_bound_s"],
         "memory_bound_bytes": sm["memory_bound"]["bytes"],
         "collective_wire_bytes": {k: r["collectives"].get(k, {}).get("wire_bytes", 0.0)
@@ -421,7 +424,8 @@ def _waits(ws: list) -> str:
     return "; ".join(f"{secs(w['seconds'])} {w['collective']}{served(w['op'])}" for w in ws) or "—"
 
 
-COLUMNS = ("row", "program", "step s", "tok/s/GPU", "MFU", "dots / model FLOPs", "mem-bound GB", "AG GB",
+COLUMNS = ("row", "program", "step s", "tok/s/GPU", "MFU", "dots / model FLOPs", "GEMM FLOPs timed / dots",
+           "mem-bound GB", "AG GB",
            "RS GB", "AR GB", "A2A GB", "CP GB", "comm s", "exposed comm s", "three longest waits",
            "kernels/step", "peak GiB", "measured tok/s/GPU", "error vs measured")
 
@@ -436,7 +440,7 @@ def table_md(lines: list[dict], results: list[dict], header: list[str]) -> str:
             c = ln["collective_wire_bytes"]
             peak = ("—" if ln["peak_bytes"] is None else _g(ln["peak_bytes"] / 2 ** 30)) + ("" if ln["fits"] in (None, True) else " (does not fit)")
             cells = [ln["row"], ln["program"], _g(ln["step_time_s"]), f"{ln['tokens_per_s_per_gpu']:,.0f}",
-                     f"{ln['mfu']:.1%}", _fmt(ln["dot_over_model_flops"], ".2f"),
+                     f"{ln['mfu']:.1%}", _fmt(ln["dot_over_model_flops"], ".2f"), _fmt(ln["timed_over_dot_flops"], ".3f"),
                      _g(ln["memory_bound_bytes"] / 1e9), *(_g(c[k] / 1e9) for k in KINDS),
                      _g(ln["comm_s"]), _g(ln["exposed_comm_s"]), _waits(ln["longest_waits"]),
                      f"{ln['kernels_per_step']:,.0f}", peak, _fmt(ln["measured_tokens_per_s_per_gpu"], ",.0f"),
@@ -535,8 +539,9 @@ def main(argv=None) -> int:
               "Predicted figures per GPU per step (python -m jaxtron.plan; --hlo for MaxText's module). Collective "
               "bytes are wire bytes; waits are XLA's schedule replayed; kernels count fusions and custom calls run "
               "per step (loop trip counts applied); peak = arguments + temp + unaliased outputs of XLA's memory "
-              "analysis; dots / model FLOPs: HLO dot FLOPs (attention kernels' matmuls are not dots) over "
-              "Megatron's model FLOPs with full attention."]
+              "analysis; dots / model FLOPs: HLO dot FLOPs (cuBLAS GEMM calls included; attention kernels' matmuls "
+              "are not dots) over Megatron's model FLOPs with full attention; GEMM FLOPs timed / dots: the share of "
+              "those FLOPs the step model timed as GEMMs (1.000 when it read every GEMM's shape)."]
     table = {"versions": versions, "python": python, "lines": lines,
              "rows": [{k: v for k, v in res.items() if k not in ("jaxtron", "maxtext")} for res in results]}
     # a run of some rows keeps the other rows of an earlier table
