@@ -425,7 +425,7 @@ def _waits(ws: list) -> str:
 
 
 COLUMNS = ("row", "program", "step s", "tok/s/GPU", "MFU", "dots / model FLOPs", "GEMM FLOPs timed / dots",
-           "mem-bound GB", "AG GB",
+           "GEMM + attention + mem-bound s", "mem-bound GB", "AG GB",
            "RS GB", "AR GB", "A2A GB", "CP GB", "comm s", "exposed comm s", "three longest waits",
            "kernels/step", "peak GiB", "measured tok/s/GPU", "error vs measured")
 
@@ -441,6 +441,7 @@ def table_md(lines: list[dict], results: list[dict], header: list[str]) -> str:
             peak = ("—" if ln["peak_bytes"] is None else _g(ln["peak_bytes"] / 2 ** 30)) + ("" if ln["fits"] in (None, True) else " (does not fit)")
             cells = [ln["row"], ln["program"], _g(ln["step_time_s"]), f"{ln['tokens_per_s_per_gpu']:,.0f}",
                      f"{ln['mfu']:.1%}", _fmt(ln["dot_over_model_flops"], ".2f"), _fmt(ln["timed_over_dot_flops"], ".3f"),
+                     f"{_g(ln['gemm_s'])} + {_g(ln['attention_s'])} + {_g(ln['memory_bound_s'])}",
                      _g(ln["memory_bound_bytes"] / 1e9), *(_g(c[k] / 1e9) for k in KINDS),
                      _g(ln["comm_s"]), _g(ln["exposed_comm_s"]), _waits(ln["longest_waits"]),
                      f"{ln['kernels_per_step']:,.0f}", peak, _fmt(ln["measured_tokens_per_s_per_gpu"], ",.0f"),
