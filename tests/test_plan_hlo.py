@@ -87,6 +87,7 @@ def test_cli_reads_the_committed_module():
     assert sm["kernels_per_step"]["total"] == sum(sm["kernels_per_step"][k] for k in ("fusions", "custom_calls",
                                                                                       "other"))
     assert sm["attention_s"] == 0 and r["attention_impl"] == "xla"  # attention as dots, timed as GEMMs
+    assert 0 < sm["gemm"]["batched_seconds"] < sm["gemm_s"]  # its dots: the GEMMs with batch dimensions
     # attention runs as dots over the full score matrix (the model's 'full' count): about 1x the model's
     assert 0.9 < r["flops"]["dot_over_model_flops"] < 1.5
     assert 0 < r["memory"]["peak"] < r["memory"]["usable"] and r["memory"]["fits"]
@@ -170,7 +171,7 @@ def test_a_cublas_gemm_call_is_a_dot():
     a, b = (steptime.predict(cfg, t, H100, {}, 1, 1.0) for t in (cublas, dot))
     assert a["gemm"]["count"] == b["gemm"]["count"] == 1 and a["gemm_s"] == b["gemm_s"] > 0
     assert a["kernels_per_step"]["custom_calls"] == 1 and b["kernels_per_step"]["other"] == 1
-    assert a["custom_calls"] == {"__cublas$lt$matmul": 1.0}
+    assert a["custom_calls"] == {"__cublas$lt$matmul": 1.0} and a["gemm"]["batched_seconds"] == 0
 
 
 ASYNC_MODULE = """HloModule m, is_scheduled=true

@@ -155,6 +155,9 @@ def _print_step_model(sm: dict) -> None:
     print(f"  GEMMs {_secs(sm['gemm_s'])} ({sm['gemm']['count']:.0f} runs at {sm['gemm_efficiency']:.1%} of the bf16 "
           f"peak), attention kernels {_secs(sm['attention_s'])}, memory-bound ops {_secs(sm['memory_bound_s'])} "
           f"({sm['memory_bound']['ops']:.0f} runs)")
+    if sm["gemm"].get("batched_seconds"):
+        print(f"    of the GEMMs, {_secs(sm['gemm']['batched_seconds'])} in GEMMs with batch dimensions (in a dense "
+              "model, attention run as dots)")
     print(f"  collectives {_secs(sm['comm_s'])} on the wire: {_secs(sm['exposed_comm_s'])} exposed, "
           f"{_secs(sm['overlapped_comm_s'])} under compute (XLA's schedule replayed; jaxtron/plan/schedule.py)")
     for w in sm.get("longest_waits", [])[:3]:

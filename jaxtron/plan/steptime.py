@@ -177,7 +177,11 @@ class _Walk:
         t = gemm_time(m, n, k, batch, gpu.fp8_peak_tflops if fp8 else gpu.peak_tflops, gpu.hbm_gbps, moved,
                       self.model, fp8=fp8)
         key = f"{batch}x{m}x{n}x{k}" + (" fp8" if fp8 else "")
+        # batch dimensions: in a dense model only attention run as dots has them (scores and their product
+        # with V over batch x heads; a projection's weights have none)
+        batched = float(batch > 1)
         return {"gemm_count": 1.0, "gemm_s": t["seconds"], "gemm_flops": 2.0 * batch * m * n * k,
+                "batched_gemm_s": batched * t["seconds"], "batched_gemm_flops": batched * 2.0 * batch * m * n * k,
                 "fp8_gemm_s": t["seconds"] if fp8 else 0.0, "gemm_memory_bound": float(t["bound"] == "memory"),
                 "by_shape": {key: {"count": 1.0, "seconds": t["seconds"], "efficiency": t["efficiency"],
                                  "source": t["source"]}}}
@@ -320,7 +324,8 @@ def ops_time(walk: "_Walk", entry: str) -> dict:
     gemm_s = st.get("gemm_s", 0.0)
     gemms = {"count": st.get("gemm_count", 0.0), "seconds": gemm_s, "flops": st.get("gemm_flops", 0.0),
              "memory_bound": st.get("gemm_memory_bound", 0.0), "fp8_seconds": st.get("fp8_gemm_s", 0.0),
-             "kernel_flops": st.get("kernel_gemm_flops", 0.0),
+             "kernel_flops": st.get("kernel_gemm_flops", 0.0), "batched_seconds": st.get("batched_gemm_s", 0.0),
+             "batched_flops": st.get("batched_gemm_flops", 0.0),
              "efficiency": st.get("gemm_flops", 0.0) / max(gemm_s, 1e-30) / (gpu.peak_tflops * 1e12)}
     memory = {"ops": st.get("mem_ops", 0.0), "bytes": st.get("mem_bytes", 0.0),
               "seconds": st.get("mem_bytes", 0.0) / walk.bw}
