@@ -251,7 +251,7 @@ class Llama(nnx.Module):
         """The LM head [hidden, vocab] (the embedding's transpose when tied) in the parameter dtype, as its
         matmul reads it (:func:`~jaxtron.parallel.sharding.matmul_weight`). ``gathered``: split over ``vocab``
         only, i.e. gathered over the axes that split parameters alone (FSDP); for a loss that applies
-        :meth:`head` chunk by chunk, so the head is gathered once (and its gradient reduce-scattered once) per
+        :meth:`head` chunk by chunk, so the head is gathered once (and its gradient reduced once) per
         micro batch rather than once per chunk."""
         if self.cfg.tie_embeddings:
             w = matmul_weight(self.embed[...], ("vocab", "embed")).T

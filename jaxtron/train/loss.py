@@ -27,9 +27,9 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, loss_mask: jax.Arr
 
 
 def loss_chunks(rows: int, seq: int, chunk_tokens: int) -> tuple[int, int]:
-    """(chunks, positions per chunk) splitting a [rows, seq] micro batch into chunks of at most about
-    ``chunk_tokens`` tokens (rows x positions; one position of every row at least). The last chunks take the
-    padding when the positions do not divide evenly."""
+    """(chunks, positions per chunk) splitting a [rows, seq] micro batch into chunks of about ``chunk_tokens``
+    tokens (rows x positions per chunk; one position of every row at least). The last chunks take the padding
+    when the positions do not divide evenly."""
     chunks = min(seq, max(1, -(-rows * seq // chunk_tokens)))
     per_chunk = -(-seq // chunks)
     return -(-seq // per_chunk), per_chunk  # rounding up the width may leave fewer chunks
