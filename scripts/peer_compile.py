@@ -418,7 +418,8 @@ def compile_in_env(args, versions: dict) -> int:
         attention, swapped = configured_attention or "autoselected", None
     argv = ["peer_compile", str(config_path), "compile_topology=a3", f"compile_topology_num_slices={hosts}",
             f"run_name=peer_{args.row or 'model'}", f"base_output_directory={work / 'out'}",
-            "enable_checkpointing=false", *overrides]
+            # no persistent compilation cache: a deviceless compile cannot load its entries back anyway
+            "enable_checkpointing=false", "jax_cache_dir=", *overrides]
 
     seen: dict = {}
     target = H100_TARGET_CONFIG.read_text()
@@ -453,10 +454,10 @@ def compile_in_env(args, versions: dict) -> int:
     if attention == "flash":
         # MaxText's GPU "flash" is tokamax's Pallas-Triton kernel, which refuses to trace unless the default
         # device is a GPU; tokamax's own cross-compile switch lifts that check for ahead-of-time compiles.
-        from absl import flags  # noqa: PLC0415
+        from absl import flags as absl_flags  # noqa: PLC0415
         import tokamax  # noqa: F401, PLC0415 (defines the flag)
 
-        flags.FLAGS(["peer_compile", "--tokamax_cross_compile"], known_only=True)
+        absl_flags.FLAGS(["peer_compile", "--tokamax_cross_compile"], known_only=True)
     train_compile.get_topology_mesh = h100_topology_mesh
     train_compile.jit_and_compile = timed_compile
     t_start = time.perf_counter()
