@@ -83,7 +83,7 @@ ROWS = {
                             "model.tie_embeddings=false"),
                 DENSE_LAYOUT + ("parallel.fsdp=8",), 8, 1, 256, "minimal_with_context",
                 "tiny Llama, 8 H100, fsdp 8"),
-    "llama3-8b-8": Row(8, "llama3_8b", (), DENSE_LAYOUT + ("parallel.fsdp=8",), 96, 12, 8192,
+    "llama3-8b-8": Row(8, "llama3_8b", (), DENSE_LAYOUT + ("parallel.fsdp=8",), 16, 2, 8192,
                        "minimal_with_context", "Llama-3-8B, 8 H100, fsdp 8"),
     # Llama-2-70B has no jaxtron preset: Llama-3-70B's shape with Llama-2's vocabulary and RoPE base (MaxText's
     # models/llama2-70b.yml: vocab 32000, rope_max_timescale 10000 from base.yml; the rest equals llama3-70b)
@@ -95,7 +95,7 @@ ROWS = {
     # MaxText's mixtral_8x7b.yml: dropping MoE with capacity factor 1.0 and no megablox (dense einsums over the
     # capacity slots), which is jaxtron's capacity dispatch
     "mixtral-8x7b": Row(64, "mixtral_8x7b", ("model.moe.dispatch=capacity", "model.moe.capacity_factor=1.0"),
-                        DENSE_LAYOUT + ("parallel.fsdp=64", "parallel.expert=1"), 768, 12, 4096,
+                        DENSE_LAYOUT + ("parallel.fsdp=64", "parallel.expert=1"), 128, 2, 4096,
                         "minimal_with_context", "Mixtral-8x7B, 64 H100, fsdp 64"),
 }
 # what maxtext.json's "model" block must say for the jaxtron config to be the same model
