@@ -468,6 +468,30 @@ def table_md(lines: list[dict], results: list[dict], header: list[str]) -> str:
 # ------------------------------------------------------------------------------------------------- main
 
 
+def earlier_rows(args) -> list[dict]:
+    """The rows of an earlier table in DIR that this run does not redo, with their plans read back from
+    DIR/<row>/ (so their lines are drawn by this version of the table): a run of some rows keeps the others."""
+    if args.tiny:  # CI's own table
+        return []
+    try:
+        prev = json.loads((args.out / "table.json").read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    rows = []
+    for res in prev:
+        if not isinstance(res, dict) or res.get("row") in args.rows or res.get("row") not in ROWS:
+            continue
+        res = dict(res, errors=res.get("errors", {}), notes=res.get("notes", []))
+        for program, name in (("jaxtron", "jaxtron.json"), ("maxtext", "maxtext_plan.json")):
+            if program not in res["errors"]:
+                try:
+                    res[program] = json.loads((args.out / res["row"] / name).read_text())
+                except (OSError, ValueError):
+                    res["errors"][program] = f"{name} of the earlier run is gone"
+        rows.append(res)
+    return rows
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="results directory (DIR/<row>/, DIR/table.md|json)")
@@ -533,6 +557,9 @@ def main(argv=None) -> int:
         failed = "; ".join(f"{k}: {v}" for k, v in res["errors"].items())
         print(f"peer_compare: {name} done in {time.time() - t0:.0f} s" + (f" (failed: {failed})" if failed else ""),
               file=sys.stderr, flush=True)
+    status = 0 if all(not r["errors"] for r in results) else 1  # of the rows this run was asked for
+    order = list(ROWS)
+    results = sorted(earlier_rows(args) + results, key=lambda r: order.index(r["row"]))
     lines = [program_line(res, p) for res in results for p in ("jaxtron", "maxtext")]
     header = [f"# jaxtron vs MaxText train steps, compiled for H100 by XLA:GPU (jax {versions.get('jax')}, Python "
               f"{versions.get('python')}), judged by jaxtron's step model",
@@ -545,21 +572,10 @@ def main(argv=None) -> int:
               "those FLOPs the step model timed as GEMMs (1.000 when it read every GEMM's shape)."]
     table = {"versions": versions, "python": python, "lines": lines,
              "rows": [{k: v for k, v in res.items() if k not in ("jaxtron", "maxtext")} for res in results]}
-    # a run of some rows keeps the other rows of an earlier table
-    old = args.out / "table.json"
-    if old.exists() and not args.tiny:
-        try:
-            prev = json.loads(old.read_text())
-            keep = [r for r in prev.get("rows", []) if r["row"] not in args.rows]
-            table["rows"] = keep + table["rows"]
-            table["lines"] = [ln for ln in prev.get("lines", []) if ln["row"] not in args.rows] + lines
-            results = [dict(r, errors=r.get("errors", {}), notes=r.get("notes", [])) for r in keep] + results
-        except (ValueError, KeyError):
-            pass
     (args.out / "table.json").write_text(json.dumps(table, indent=1, default=float) + "\n")
     (args.out / "table.md").write_text(table_md(table["lines"], results, header))
     print((args.out / "table.md").read_text())
-    return 0 if all(not r["errors"] for r in results) else 1
+    return status
 
 
 if __name__ == "__main__":
