@@ -315,6 +315,10 @@ def compare_row(name: str, args, python: str, versions: dict) -> dict:
         mismatch = model_mismatch(row, maxtext, python)
         if mismatch:
             out["notes"].append(mismatch)
+        dtypes = (str(maxtext.get("dtype")), str(maxtext.get("weight_dtype")))
+        if dtypes != ("bfloat16", "float32"):
+            out["notes"].append(f"precision differs: MaxText dtype {dtypes[0]}, weights {dtypes[1]}; jaxtron bfloat16 "
+                                "compute, float32 weights")
         if s["maxtext_remat"] != s["jaxtron_remat"]:
             out["notes"].append(f"recompute: MaxText remat_policy={s['maxtext_remat']}, jaxtron "
                                 f"model.remat={s['jaxtron_remat']} (scripts/peer_compare.py REMAT says why)")
