@@ -16,7 +16,13 @@ How the compile works (checked recipe in /work/shared/notes/toolchain-facts.md):
 describes a topology of H100s without any GPU present (jax.experimental.topologies.get_topology_desc with
 the H100 target config in jaxtron/plan/gpus/h100.txtpb). MaxText's train_compile builds its GPU mesh from
 jax.devices() (the CPU here), so only its topology-mesh builder is replaced; everything else is
-MaxText's own code (config, model, optimizer, train_step, shardings).
+MaxText's own code (config, model, optimizer, train_step, shardings), compiled with the XLA flags of MaxText's
+own GPU run scripts. What differs from a run on H100s, and why:
+  - attention: the GPU configs' cudnn_flash_te (TransformerEngine) cannot be traced without TE and a GPU;
+    cudnn_flash_jax, the same cuDNN fused attention through JAX's own custom call, replaces it;
+  - multi-host: XLA's Triton one-shot all-reduce kernel is turned off (XLA crashes lowering it across hosts);
+  - sorts (MoE routing) use XLA's sort kernel, not CUB (CUB's scratch size is asked of a device).
+The env therefore also carries the cuDNN wheel: JAX checks cuDNN's version while tracing its attention.
 
 Outputs in --out: maxtext.hlo.txt.gz (the after-optimizations module of jit_train_step), maxtext.memory.json
 (compiled.memory_analysis()), maxtext.json (what was compiled, how long it took, the published figure).
@@ -153,6 +159,7 @@ def parse_args(argv):
     p.add_argument("--xla-flags", default=None,
                    help="XLA flags for the compile (default: MaxText's own a3 GPU flags from its scripts)")
     p.add_argument("--extra-xla-flags", default="", help="XLA flags added after the default or --xla-flags ones")
+    p.add_argument("--traceback", action="store_true", help="show MaxText's whole trace when the compile fails")
     p.add_argument("--note", default="", help="free text recorded in maxtext.json (e.g. what was reduced)")
     p.add_argument("overrides", nargs="*", help="MaxText key=value settings, applied after the row's")
     args = p.parse_args(argv)
@@ -254,6 +261,8 @@ def ensure_env(env: Path) -> dict:
     """Make env usable (creating or repairing it) and return its versions; raises EnvError."""
     versions = env_versions(env)
     if env_problem(versions) is None:
+        if not (env / ENV_RECORD).exists():
+            (env / ENV_RECORD).write_text(json.dumps(versions, indent=1) + "\n")
         return versions
     log_path = env.parent / (env.name + ".install.log")
     env.parent.mkdir(parents=True, exist_ok=True)
@@ -463,7 +472,16 @@ def compile_in_env(args, versions: dict) -> int:
     t_start = time.perf_counter()
     print(f"peer_compile: compiling {config_path.name} for {num_gpus} H100 ({hosts} hosts), attention={attention}",
           file=sys.stderr, flush=True)
-    train_compile.main(argv)
+    try:
+        train_compile.main(argv)
+    except Exception as e:  # noqa: BLE001 (MaxText's config checks and XLA errors: report them in one line)
+        if args.traceback:
+            raise
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        detail = " / ".join(lines[:2])  # pydantic puts the failed check on the second line
+        print(f"peer_compile: MaxText's compile failed: {type(e).__name__}: {detail[:400]} "
+              "(--traceback for the whole trace)", file=sys.stderr)
+        return 1
     total_s = time.perf_counter() - t_start
     if "compiled" not in seen:
         raise SystemExit("peer_compile: MaxText's train_compile returned without compiling the train step")
