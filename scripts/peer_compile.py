@@ -531,6 +531,9 @@ def compile_in_env(args, versions: dict) -> int:
             "experts_per_token": int(getattr(cfg, "num_experts_per_tok", 1)),
             "scan_layers": bool(cfg.scan_layers),
         },
+        # how MaxText runs the MoE layers (dropping with a capacity factor, or dropless via ragged matmuls)
+        "moe": {"sparse_matmul": bool(cfg.sparse_matmul), "megablox": bool(cfg.megablox),
+                "capacity_factor": float(cfg.capacity_factor)} if int(getattr(cfg, "num_experts", 1)) > 1 else None,
         "dtype": str(cfg.dtype), "weight_dtype": str(cfg.weight_dtype),
         "matmul_precision": str(cfg.matmul_precision),
         "quantization": str(cfg.quantization) if cfg.quantization else None,
