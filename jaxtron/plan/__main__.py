@@ -283,6 +283,10 @@ def _main_hlo(args) -> int:
     except (config_lib.ConfigError, ValueError, RuntimeError) as err:
         print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - a module the analysis cannot read is the file's error, one line
+        print(f"error: --hlo {args.hlo}: the analysis could not read this module ({type(err).__name__}: "
+              f"{str(err).splitlines()[0][:200] if str(err) else ''})", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(out, default=float))
     else:
