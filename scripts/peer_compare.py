@@ -92,9 +92,10 @@ ROWS = {
                          "Llama-2-70B, 64 H100, fsdp 64"),
     "llama3-70b-128": Row(128, "llama3_70b", (), DENSE_LAYOUT + ("parallel.fsdp=128",), 256, 2, 8192, "full",
                           "Llama-3-70B, 128 H100, fsdp 8 x 16"),
-    # MaxText's mixtral_8x7b.yml: dropping MoE with capacity factor 1.0 and no megablox (dense einsums over the
-    # capacity slots), which is jaxtron's capacity dispatch
-    "mixtral-8x7b": Row(64, "mixtral_8x7b", ("model.moe.dispatch=capacity", "model.moe.capacity_factor=1.0"),
+    # MaxText's mixtral_8x7b.yml runs sparse_matmul without megablox: tokens sorted by expert and
+    # jax.lax.ragged_dot, no dropping (its capacity_factor applies to the dense path only), which is jaxtron's
+    # dropless dispatch with gmm_impl=ragged_dot (the preset's); moe_overrides() reads maxtext.json's "moe"
+    "mixtral-8x7b": Row(64, "mixtral_8x7b", ("model.moe.dispatch=dropless", "model.moe.gmm_impl=ragged_dot"),
                         DENSE_LAYOUT + ("parallel.fsdp=64", "parallel.expert=1"), 128, 2, 4096,
                         "minimal_with_context", "Mixtral-8x7B, 64 H100, fsdp 64"),
 }
@@ -118,7 +119,7 @@ def settings(name: str, row: Row, maxtext: Optional[dict]) -> dict:
     if maxtext:
         gbs, acc = int(maxtext["global_batch"]), int(maxtext.get("gradient_accumulation_steps") or 1)
         s.update(global_batch=gbs, micro_batch=gbs // (row.num_gpus * acc), seq_len=int(maxtext["seq_len"]),
-                 maxtext_remat=str(maxtext["remat_policy"]), **{"from": "maxtext.json"})
+                 maxtext_remat=str(maxtext["remat_policy"]), moe=maxtext.get("moe"), **{"from": "maxtext.json"})
         if int(maxtext.get("num_gpus", row.num_gpus)) != row.num_gpus:
             raise RowError(f"maxtext.json was compiled for {maxtext['num_gpus']} GPUs, the row has {row.num_gpus}")
     if s["maxtext_remat"] not in REMAT:
@@ -127,9 +128,26 @@ def settings(name: str, row: Row, maxtext: Optional[dict]) -> dict:
     return s
 
 
+def moe_overrides(moe: Optional[dict]) -> list[str]:
+    """jaxtron's MoE dispatch for how MaxText ran its MoE layers (maxtext.json's "moe"): sparse_matmul sorts
+    tokens by expert and runs grouped matmuls without dropping (megablox's Pallas GMM, else
+    jax.lax.ragged_dot); otherwise dense einsums over capacity slots (capacity_factor > 0)."""
+    if not moe:
+        return []
+    if moe.get("sparse_matmul"):
+        return ["model.moe.dispatch=dropless", f"model.moe.gmm_impl={'pallas' if moe.get('megablox') else 'ragged_dot'}"]
+    factor = float(moe.get("capacity_factor") or -1)
+    if factor <= 0:
+        raise RowError("MaxText's dense MoE path without a capacity factor has no jaxtron counterpart")
+    return ["model.moe.dispatch=capacity", f"model.moe.capacity_factor={factor}"]
+
+
 def describing_args(row: Row, s: dict, extra: list[str]) -> list[str]:
-    """The planner arguments that give jaxtron's program, and describe MaxText's module, for one row."""
-    return ["--gpu", "h100", "--num-gpus", str(row.num_gpus), "--config", row.config, *row.model, *row.layout,
+    """The planner arguments that give jaxtron's program, and describe MaxText's module, for one row (the MoE
+    dispatch MaxText's record says replaces the row's default)."""
+    model = {o.split("=", 1)[0]: o for o in row.model}
+    model.update({o.split("=", 1)[0]: o for o in moe_overrides(s.get("moe"))})
+    return ["--gpu", "h100", "--num-gpus", str(row.num_gpus), "--config", row.config, *model.values(), *row.layout,
             f"train.global_batch_size={s['global_batch']}", f"train.micro_batch_size={s['micro_batch']}",
             f"data.seq_len={s['seq_len']}", f"model.remat={s['jaxtron_remat']}", "model.attention_impl=cudnn",
             "model.dtype=bfloat16", "model.param_dtype=float32", *extra]
