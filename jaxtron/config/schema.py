@@ -315,6 +315,11 @@ class TrainConfig:
                                                    "e.g. before a SLURM time limit; the schedule is unchanged "
                                                    "and the next start resumes (Megatron's "
                                                    "--exit-duration-in-mins).")
+    cast_params_once: bool = _f(True, "Cast the weights the model casts to model.dtype (the projections, the "
+                                      "embedding, an untied LM head) once per step, before the gradient-"
+                                      "accumulation loop, instead of at each use in every micro batch: same "
+                                      "numbers; the step holds the cast copy, sharded as the params. Pipelines "
+                                      "(parallel.stage > 1) cast per use regardless.")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from jaxtron.parallel.stages import (BATCH_AXES, STACKED, StageTerms, pipelined_
                                      split_micro)
 from jaxtron.train.flops import moe_layer_count
 from jaxtron.train.loss import chunked_cross_entropy_sums, cross_entropy_sums
+from jaxtron.train.param_cast import ParamCast
 from jaxtron.train.state import ModelSpec
 from jaxtron.train.xla_options import compiler_options
 
@@ -116,6 +117,16 @@ def _custom_sums(loss_fn: Callable, graphdef, params, batch):
     return loss_sum, (loss_sum.astype(jnp.float32), n, sums)
 
 
+def _cast_once(cfg: Config, spec: ModelSpec, sums: Callable, params, micro):
+    """``params`` with the leaves ``sums(params, micro)`` casts at their use already cast, once for all the micro
+    batches (``train.cast_params_once``; jaxtron/train/param_cast.py), sharded as the params: under FSDP each
+    rank casts its shard."""
+    cast = ParamCast(sums, params, micro) if cfg.train.cast_params_once else None
+    if cast is None or not cast.any:  # fp32 compute, or bf16 master weights: nothing to cast
+        return params
+    return jax.lax.with_sharding_constraint(cast.cast(params), spec.param_shardings)
+
+
 def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
                         loss_fn: Optional[Callable] = None) -> Callable:
     """``(params, batch) -> ((loss_sum, tokens, aux_sums), grads)``: the summed reported loss (cross entropy, or
@@ -145,9 +156,15 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
                                             _last_stage_sums(z_loss, chunk_tokens),
                                             lambda mb: _segments(mb, packed), params, batch,
                                             spec.histories.accumulate)
+        micro = split_micro(batch, accum) if accum > 1 else None
+        first = batch if micro is None else jax.tree.map(lambda x: x[0], micro)
+        # the weights the loss casts per use, cast once for all the micro batches (jaxtron/train/param_cast.py);
+        # their bf16 gradients go back to fp32 before they are summed, as the per-use casts' transposes do
+        low = _cast_once(cfg, spec, sums, params, first)
+        to_fp32 = lambda g: jax.tree.map(lambda g, p: g.astype(p.dtype), g, params)  # noqa: E731
         if accum == 1:
-            (_, out), grads = grad_fn(params, batch)
-            return out, grads
+            (_, out), grads = grad_fn(low, batch)
+            return out, to_fp32(grads)
 
         # ZeRO-2 keeps the accumulator split over data too, so each micro batch's gradient is reduce-scattered
         # into its shard instead of all-reduced whole
@@ -155,17 +172,16 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
 
         def body(carry, micro):
             g_acc, ce_acc, n_acc, aux_acc = carry
-            (_, (ce, n, aux)), g = grad_fn(params, micro)
-            g_acc = spec.histories.accumulate(g_acc, g)
+            (_, (ce, n, aux)), g = grad_fn(low, micro)
+            g_acc = spec.histories.accumulate(g_acc, to_fp32(g))
             if cfg.parallel.zero >= 2:
                 g_acc = jax.lax.with_sharding_constraint(g_acc, acc_sh)
             return (g_acc, ce_acc + ce, n_acc + n, jax.tree.map(jnp.add, aux_acc, aux)), None
 
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
                              params, acc_sh)
-        micro = split_micro(batch, accum)
         aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),  # the aux sums, from the loss's trace
-                            jax.eval_shape(sums, params, jax.tree.map(lambda x: x[0], micro))[1][2])
+                            jax.eval_shape(sums, params, first)[1][2])
         (grads, ce, n, aux), _ = jax.lax.scan(body, (zeros, _f32zero(), _f32zero(), aux0), micro)
         return (ce, n, aux), grads
 
@@ -238,10 +254,14 @@ def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
                                                lambda mb: _segments(mb, packed), params, batch)
                 return {"loss_sum": ce, "tokens": n}
 
+            sums = lambda p, b: _sums(spec.graphdef, p, b, 0.0, packed, chunk_tokens)  # noqa: E731
+            micro = split_micro(batch, layout.accumulation_steps)
+            params = _cast_once(cfg, spec, sums, params, jax.tree.map(lambda x: x[0], micro))  # as the train step
+
             def body(carry, micro):
-                _, (ce, n, _) = _sums(spec.graphdef, params, micro, 0.0, packed, chunk_tokens)
+                _, (ce, n, _) = sums(params, micro)
                 return (carry[0] + ce, carry[1] + n), None
-            (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), split_micro(batch, layout.accumulation_steps))
+            (ce, n), _ = jax.lax.scan(body, (_f32zero(), _f32zero()), micro)
             return {"loss_sum": ce, "tokens": n}
 
     return jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding(layout)),
