@@ -174,6 +174,25 @@ def test_a_cublas_gemm_call_is_a_dot():
     assert a["custom_calls"] == {"__cublas$lt$matmul": 1.0} and a["gemm"]["batched_seconds"] == 0
 
 
+TUPLE_OPERANDS = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: (bf16[256,512], bf16[512,128])) -> bf16[256,128] {
+  %p = (bf16[256,512]{1,0}, bf16[512,128]{1,0}) parameter(0)
+  ROOT %g = bf16[256,128]{1,0} dot(%p#0, %p#1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_operands_named_as_tuple_elements_have_their_shapes():
+    """Newer XLA (jax 0.12, MaxText's module) names a tuple's element ``%p#1`` instead of a get-tuple-element:
+    the GEMM's dimensions and bytes come from the element's shape."""
+    cfg = config_lib.load(None, ["parallel.data=1"])
+    dot = GEMM_MODULE.replace("GEMM", DOT)
+    assert hlo_counts.dot_flops(TUPLE_OPERANDS)["total"] == 2.0 * 256 * 128 * 512
+    a, b = (steptime.predict(cfg, t, H100, {}, 1, 1.0) for t in (TUPLE_OPERANDS, dot))
+    assert a["gemm"]["flops"] == b["gemm"]["flops"] and a["gemm_s"] == b["gemm_s"]
+
+
 ASYNC_MODULE = """HloModule m, is_scheduled=true
 
 %fused_update (b: f32[64,1024], u: f32[1,1024], i: s32[]) -> f32[64,1024] {

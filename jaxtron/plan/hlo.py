@@ -41,7 +41,7 @@ CALLEE_RE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false
 _LIST_CALLEE_RE = re.compile(r"\b(?:called_computations|branch_computations|calls)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
-DOT_LHS_RE = re.compile(r"dot\(\s*([a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+)")
+DOT_LHS_RE = re.compile(r"dot\(\s*([a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+(?:#\d+)*)")
 
 
 def shape_bytes(shape: str) -> float:
@@ -368,6 +368,17 @@ def tuple_element(shape: str, index: int) -> str:
     """Element ``index`` of a tuple shape ("" when there is none)."""
     elems = _tuple_elements(shape)
     return elems[index] if index < len(elems) else ""
+
+
+def operand_shape(shapes: dict, name: str, default: str = "") -> str:
+    """The shape of operand ``name`` from a computation's {instruction: shape}: newer XLA prints a tuple's
+    element as ``name#i`` instead of a get-tuple-element instruction."""
+    if name in shapes:
+        return shapes[name]
+    base, sep, index = name.rpartition("#")
+    if sep and index.isdigit():
+        return tuple_element(operand_shape(shapes, base), int(index)) or default
+    return default
 
 
 def first_array(shape: str) -> str:

@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from jaxtron.plan.hlo import (DOT_LHS_RE, OP_NAME_RE, dot_dimensions, first_array, is_gemm_call, operand_names,
-                              parse_module, shape_dims)
+                              operand_shape, parse_module, shape_dims)
 
 
 def dot_flops(text: str, marker: str = "ragged_dot") -> dict[str, float]:
@@ -37,8 +37,8 @@ def _gemm_flops(shape: str, rest: str, shapes: dict) -> float:
     """2 x result elements x contracted size of a ``dot`` or a cuBLAS GEMM call (operand shapes inline or
     from ``shapes``)."""
     lhs = DOT_LHS_RE.match(rest) if rest.startswith("dot(") else None
-    lhs_dims = shape_dims(lhs.group(1) or shapes.get(lhs.group(2), "")) if lhs else shape_dims(
-        shapes.get((operand_names(rest) or [""])[0], ""))
+    lhs_dims = shape_dims(lhs.group(1) or operand_shape(shapes, lhs.group(2))) if lhs else shape_dims(
+        operand_shape(shapes, (operand_names(rest) or [""])[0]))
     k = np.prod([lhs_dims[i] for i in dot_dimensions(rest)["lhs_contracting_dims"] if i < len(lhs_dims)])
     return 2.0 * float(np.prod(shape_dims(first_array(shape)))) * float(k)
 
@@ -86,7 +86,7 @@ def dot_operand_types(text: str, marker: str = "") -> dict[str, dict]:
             op_name = OP_NAME_RE.search(rest) if marker else None
             if marker and not (op_name and re.search(marker, op_name.group(1))):
                 continue
-            key = " x ".join(shapes.get(x, "?").split("[")[0] for x in operand_names(rest)[:2])
+            key = " x ".join(operand_shape(shapes, x, "?").split("[")[0] for x in operand_names(rest)[:2])
             entry = out.setdefault(key, {"dots": 0, "flops": 0.0})
             entry["dots"] += 1
             entry["flops"] += _gemm_flops(shape, rest, shapes)

@@ -106,7 +106,7 @@ def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float
     place (the layer scan's stacked residuals): the update's bytes, not the buffer's; a (dynamic-)slice reads
     only the slice it returns, inside a fusion too."""
     body = _callee(mod, rest) if opcode == "fusion" else []
-    sizes = [hlo.shape_bytes(shapes.get(o, "")) for o in hlo.operand_names(rest)]
+    sizes = [hlo.shape_bytes(hlo.operand_shape(shapes, o)) for o in hlo.operand_names(rest)]
     if not body:
         if opcode == "dynamic-update-slice" and len(sizes) > 1:
             return 2.0 * sizes[1]
@@ -122,7 +122,7 @@ def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float
     param = re.match(r"parameter\((\d+)\)", next((r for n, _sh, op, r in body if n == buffer and op == "parameter"), ""))
     if param and int(param.group(1)) < len(reads):
         reads[int(param.group(1))] = 0.0  # the buffer is written in place, not read
-    return sum(reads) + hlo.shape_bytes(body_shapes.get(update, ""))
+    return sum(reads) + hlo.shape_bytes(hlo.operand_shape(body_shapes, update))
 
 
 def _recomputed(cfg: Config, recompute: Optional[bool]) -> bool:
@@ -171,9 +171,9 @@ class _Walk:
         """A ``dot`` or a cuBLAS GEMM call (whose result comes with a workspace: the first array is the
         product)."""
         gpu, ops, shape = self.gpu, hlo.operand_names(rest), hlo.first_array(shape)
-        m, n, k, batch = _dot_dims(rest, *(hlo.shape_dims(shapes.get(o, "")) for o in ops[:2]))
-        fp8 = any(shapes.get(o, "").startswith("f8") for o in ops[:2]) and bool(gpu.fp8_peak_tflops)
-        moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in ops[:2]) + hlo.shape_bytes(shape)
+        m, n, k, batch = _dot_dims(rest, *(hlo.shape_dims(hlo.operand_shape(shapes, o)) for o in ops[:2]))
+        fp8 = any(hlo.operand_shape(shapes, o).startswith("f8") for o in ops[:2]) and bool(gpu.fp8_peak_tflops)
+        moved = sum(hlo.shape_bytes(hlo.operand_shape(shapes, o)) for o in ops[:2]) + hlo.shape_bytes(shape)
         t = gemm_time(m, n, k, batch, gpu.fp8_peak_tflops if fp8 else gpu.peak_tflops, gpu.hbm_gbps, moved,
                       self.model, fp8=fp8)
         key = f"{batch}x{m}x{n}x{k}" + (" fp8" if fp8 else "")
@@ -191,7 +191,7 @@ class _Walk:
         kind = _KERNEL_GEMM.search(rest)
         if not kind:
             return None
-        ops = [hlo.shape_dims(shapes.get(o, "")) for o in hlo.operand_names(rest)]
+        ops = [hlo.shape_dims(hlo.operand_shape(shapes, o)) for o in hlo.operand_names(rest)]
         out = hlo.shape_dims(shape)
         if kind.group(1) == "fp8_blockwise_matmul":
             m, n, k, fp8 = out[0], out[1], ops[0][-1], True
@@ -200,7 +200,8 @@ class _Walk:
         else:                           # [M, N] from rows [M, K] and the experts
             m, n, k, fp8 = out[0], out[1], ops[1][-1], False
         fp8 = fp8 and bool(self.gpu.fp8_peak_tflops)
-        moved = sum(hlo.shape_bytes(shapes.get(o, "")) for o in hlo.operand_names(rest)) + hlo.shape_bytes(shape)
+        moved = (sum(hlo.shape_bytes(hlo.operand_shape(shapes, o)) for o in hlo.operand_names(rest))
+                 + hlo.shape_bytes(shape))
         t = gemm_time(m, n, k, 1, self.gpu.fp8_peak_tflops if fp8 else self.gpu.peak_tflops, self.gpu.hbm_gbps,
                       moved, self.model, fp8=fp8)
         key = f"kernel {kind.group(1)} {m}x{n}x{k}"
@@ -420,7 +421,8 @@ def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, m
         "mfu": model_flops_full / (num_devices * gpu.peak_tflops * 1e12 * step),
         "gemm_s": ops["gemm"]["seconds"], "attention_s": attention_s, "memory_bound_s": ops["memory_bound"]["seconds"],
         "compute_s": compute, "comm_s": replay["comm"], "exposed_comm_s": replay["exposed"],
-        "overlapped_comm_s": replay["comm"] - replay["exposed"], "longest_waits": _named_waits(mod, schedule.top_waits()),
+        "overlapped_comm_s": replay["comm"] - replay["exposed"],
+        "longest_waits": _named_waits(mod, schedule.top_waits()),
         "gemm_efficiency": ops["gemm"]["efficiency"], **ops,
         "constants": {**{k: v for k, v in model.__dict__.items() if k != "table"}, "table_points": len(model.table),
                       "attention_impl": impl, "attention_tflops": gpu.attention_tflops or ATTENTION_TFLOPS.get(impl)},
