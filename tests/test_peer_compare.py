@@ -39,6 +39,8 @@ def _assert_sane(line: dict, gbs: int, seq: int) -> None:
     assert 0 < line["mfu"] < 1, who
     # the tiny model's matmuls, remat included, over Megatron's model FLOPs (attention in kernels is not a dot)
     assert 0.5 < line["dot_over_model_flops"] < 3, (who, line["dot_over_model_flops"])
+    # the step model timed as GEMMs the FLOPs the HLO's dots (and cuBLAS calls) hold: it read every GEMM's shape
+    assert line["timed_over_dot_flops"] == pytest.approx(1.0, abs=1e-3), (who, line["timed_over_dot_flops"])
     assert line["memory_bound_bytes"] > 0, who
     wire = line["collective_wire_bytes"]
     assert set(wire) == set(KINDS) and all(v >= 0 for v in wire.values()), who
