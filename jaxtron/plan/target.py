@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import os
 import re
 from typing import Optional, Sequence
 
@@ -72,6 +73,7 @@ def target_devices(gpu: GpuSpec, num_gpus: int, backend: str = "auto") -> tuple[
                 f"jax-cuda12-plugin=={want} jax-cuda12-pjrt=={want}); --backend cpu gives "
                 "indicative CPU-compiler figures instead")
         shape = topology_string(num_gpus, gpu.gpus_per_node)
+        multi_node_xla_flags(num_gpus, gpu.gpus_per_node)
         try:
             from jax.experimental import topologies
 
@@ -117,6 +119,24 @@ def prepare_config(cfg: Config, backend: str) -> tuple[Config, list[str]]:
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 SORT_NOTE = ("sorts compiled with XLA's sort kernel instead of CUB radix sort (CUB needs the CUDA runtime at "
              "compile time): the MoE dispatch's argsort scratch may differ slightly on the cluster")
+
+
+# XLA:GPU of jax 0.12 crashes (an LLVM fatal error: the process ends with status 1 and no Python error) lowering
+# its Triton one-shot all-reduce kernel for a small all-reduce whose group spans nodes (the MoE aux loss's scalar
+# over fsdp 64); that kernel is an NVLink-only path, so a cluster runs NCCL there anyway. XLA reads the switch
+# from XLA_FLAGS when it starts (a compile option does not reach that pass), so it is set before the first
+# topology is made; XLA before 0.12 has no such kernel or flag. MaxText's compile does the same
+# (scripts/peer_compile.py).
+ONE_SHOT_ALL_REDUCE_OFF = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false"
+
+
+def multi_node_xla_flags(num_gpus: int, gpus_per_node: int) -> None:
+    """Add :data:`ONE_SHOT_ALL_REDUCE_OFF` to XLA_FLAGS for a target of more than one node (jaxlib >= 0.12),
+    unless the caller set the flag."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if num_gpus > gpus_per_node and release(jaxlib_version()) >= (0, 12) and \
+            "xla_gpu_unsupported_use_all_reduce_one_shot_kernel" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {ONE_SHOT_ALL_REDUCE_OFF}".strip()
 
 
 def compile_step(cfg: Config, devices: Sequence):
