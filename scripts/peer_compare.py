@@ -187,9 +187,12 @@ def planner_env() -> dict:
 
 def last_line(text: str) -> str:
     """The one line that says why a command failed: its last 'error:' line, else its last line."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("WARNING: Location")]
-    errors = [ln for ln in lines if ln.startswith(("error:", "peer_compile:")) or "Error:" in ln]
-    return (errors or lines or ["(no output)"])[-1][:400]
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and not ln.startswith(("WARNING: Location", "$ "))]  # "$ ": run_logged's command line
+    errors = [ln for ln in lines if ln.startswith(("error:", "peer_compile:")) or "Error:" in ln
+              or "Fatal Error" in ln]
+    # a process that dies inside XLA may leave no line at all (the planner filters its stderr)
+    return (errors or lines or ["no error line: a crash inside XLA? the command is the log's first line"])[-1][:400]
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float, env: Optional[dict] = None) -> str:
