@@ -425,7 +425,7 @@ def program_line(result: dict, program: str) -> dict:
         # outputs not aliased to arguments
         line["peak_bytes"] = mem["arguments"] + mem["temp"] + max(0.0, mem["outputs"] - mem["aliased"])
         line["fits"] = line["peak_bytes"] <= mem["usable"]
-    if published:
+    if published and program == "maxtext":  # the published figure is MaxText's own measurement
         line["prediction_error"] = sm["tokens_per_s_per_gpu"] / published - 1.0
     return line
 
@@ -513,6 +513,10 @@ def earlier_rows(args) -> list[dict]:
                     res[program] = json.loads((args.out / res["row"] / name).read_text())
                 except (OSError, ValueError):
                     res["errors"][program] = f"{name} of the earlier run is gone"
+                    continue
+                stale = f"{program}: {name} was made by other jaxtron code (not redone by this run: --rows)"
+                if _get(res[program], "peer_compare", "code") != args.code and stale not in res["notes"]:
+                    res["notes"] = res["notes"] + [stale]
         rows.append(res)
     return rows
 
