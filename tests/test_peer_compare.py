@@ -52,7 +52,6 @@ def _assert_sane(line: dict, gbs: int, seq: int) -> None:
     assert 0 < line["peak_bytes"] < 2**30 and line["fits"], who
 
 
-@pytest.mark.slow
 @needs_xla_gpu
 def test_tiny_table_has_both_programs(tmp_path):
     """The CI path: both programs' columns filled with sane values, the ratio is theirs, and a rerun is served
