@@ -211,11 +211,6 @@ def env_versions(env: Path) -> dict | None:
         return None
 
 
-def release(version: str) -> str:
-    """'0.12.0.1' -> '0.12.0': jaxlib post-releases keep the CUDA plugin of their X.Y.Z release."""
-    return ".".join(version.split(".")[:3])
-
-
 def env_problem(versions: dict | None) -> str | None:
     """Why the env is not usable, or None when it is."""
     if versions is None:
@@ -226,7 +221,7 @@ def env_problem(versions: dict | None) -> str | None:
         return "jaxlib is missing"
     for plugin in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
         v = versions.get(plugin)
-        if not v or release(v) != release(versions["jaxlib"]):
+        if v != versions["jaxlib"]:  # jaxlib 0.12.0.1 refuses to load plugin 0.12.0
             return f"{plugin} is {v}, not matching jaxlib {versions['jaxlib']}"
     if not versions.get("nvidia-cudnn-cu12"):
         return "nvidia-cudnn-cu12 is missing"
@@ -280,14 +275,9 @@ def ensure_env(env: Path) -> dict:
             raise EnvError(f"maxtext installed but jaxlib is missing in {env}")
         # --no-deps: the plugin's own dependencies would pull CUDA wheels (GBs) that a compile without a
         # GPU does not use; the PJRT plugin alone describes the H100 topology and runs XLA:GPU's compiler.
-        # The plugin of jaxlib's exact version if there is one (0.12.0.1), else of its X.Y.Z release.
-        for want in dict.fromkeys((versions["jaxlib"], release(versions["jaxlib"]))):
-            try:
-                _run_logged(pip + ["--no-deps", f"jax-cuda12-plugin=={want}", f"jax-cuda12-pjrt=={want}"], log)
-                break
-            except EnvError:
-                if want == release(versions["jaxlib"]):
-                    raise
+        # jaxlib's exact version: jaxlib refuses a plugin of another (0.12.0 under jaxlib 0.12.0.1)
+        want = versions["jaxlib"]
+        _run_logged(pip + ["--no-deps", f"jax-cuda12-plugin=={want}", f"jax-cuda12-pjrt=={want}"], log)
         _run_logged(pip + ["--no-deps", CUDNN_SPEC], log)
     versions = env_versions(env)
     problem = env_problem(versions)
