@@ -85,13 +85,14 @@ def collective_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, 
 
 
 def analyze(cfg: Config, layout: Layout, gpu: GpuSpec, text: str, node_of: np.ndarray,
-            moe_gemm: str = "as_compiled", attention_impl: Optional[str] = None,
-            recompute_from_module: bool = False) -> dict:
+            moe_gemm: str = "as_compiled", attention_impl: Optional[str] = None) -> dict:
     """The module's figures per device per step. ``cfg`` and ``layout`` describe the program (model FLOPs,
     tokens per step, the attention model, which mesh axes a replica group spans); ``node_of[i]``: the node of
     logical device i; ``attention_impl``: the attention kernel to time the module's attention calls as (None:
-    ``cfg``'s); ``recompute_from_module``: attention's recomputed forward read from the module's kernel calls,
-    not from ``model.remat`` (:func:`jaxtron.plan.steptime.predict`). Keys: moe, flops, collectives, dots,
+    ``cfg``'s). Whether attention's forward runs again in the backward is read from the module's kernel calls
+    (twice as many forward passes as backward), not from ``model.remat``: under ``save_dots`` a flash kernel's
+    output is no dot, so the compiled backward recomputes it; both programs of a comparison are timed by what
+    they run. Keys: moe, flops, collectives, dots,
     dots_moe_experts, kernels, async_overlap, roofline, step_model, ops (the collectives, for callers that keep
     them) and notes."""
     n = layout.num_devices
@@ -115,7 +116,8 @@ def analyze(cfg: Config, layout: Layout, gpu: GpuSpec, text: str, node_of: np.nd
                           for kind in ASYNC_KINDS for ps in [hlo_counts.async_overlap(text, kind)] if ps},
         "roofline": roof,
         "step_model": steptime.predict(cfg, text, gpu, collective_seconds(cfg, layout, gpu, ops, node_of, moe_gemm),
-                                       n, roof["model_flops_per_step"], attention_impl, recompute_from_module),
+                                       n, roof["model_flops_per_step"], attention_impl,
+                                       recompute_from_module=True),
         "ops": ops,
         "notes": notes,
     }

@@ -135,7 +135,7 @@ def plan_hlo(cfg: Config, gpu: GpuSpec, num_gpus: int, text: str, memory: Option
     layout = Layout.planned(cfg, num_gpus)
     node_of = np.arange(num_gpus) // gpu.gpus_per_node
     impl = steptime.attention_impl_of(text) or "xla"
-    a = analyze(cfg, layout, gpu, text, node_of, moe_gemm, impl, recompute_from_module=True)
+    a = analyze(cfg, layout, gpu, text, node_of, moe_gemm, impl)
     notes = [f"module read from {source_name or 'text'}, not compiled here: model FLOPs, tokens per step, the "
              "attention model and the mesh axes of its replica groups come from the config given with it "
              f"({layout.describe()}), every other figure from the module; the roofline is the config's closed "
