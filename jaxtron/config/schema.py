@@ -200,12 +200,14 @@ class ParallelConfig:
                                                 "stage's unsharded weights and gradients in memory per device "
                                                 "(MaxText's pipeline_fsdp_ag_once).")
     sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
-    collective_pipelining: bool = _f(False, "XLA:GPU's collective pipeliner: a layer loop's weight all-gathers, "
-                                            "gradient reduce-scatters and all-reduces start one iteration early "
-                                            "and overlap the neighbouring layer's compute, at the cost of the "
-                                            "buffers in flight (the xla_gpu_enable_pipelined_* options "
-                                            "MaxText's GPU configs set). python -m jaxtron.plan predicts the "
-                                            "step and memory both ways. No effect on XLA:CPU.")
+    collective_pipelining: bool = _f(True, "XLA:GPU's collective pipeliner, on by default for GPU compiles of "
+                                           "FSDP layouts (fsdp > 1): a layer loop's weight all-gathers, "
+                                           "gradient reduce-scatters and all-reduces start one iteration early "
+                                           "and overlap the neighbouring layer's compute, at the cost of the "
+                                           "buffers in flight (one layer's; the xla_gpu_enable_pipelined_* "
+                                           "options MaxText's GPU configs set). python -m jaxtron.plan predicts "
+                                           "the step and memory both ways; false turns it off. Not passed to "
+                                           "XLA:CPU.")
     context: int = _f(1, "Context-parallel size: the sequence axis of activations split over this mesh axis "
                          "(parameters are not; their gradients are reduced over it). Each sequence is cut into "
                          "2*context chunks and rank r holds chunks r and 2*context-1-r (causal load balance).")

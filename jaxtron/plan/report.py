@@ -62,7 +62,7 @@ def layout_overrides(cfg: Config) -> str:
     return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} {ep}parallel.context={p.context} "
             f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage={p.stage} {pp}"
             f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
-            f"model.remat={m.remat}" + (" parallel.collective_pipelining=true" if p.collective_pipelining else ""))
+            f"model.remat={m.remat}" + ("" if p.collective_pipelining else " parallel.collective_pipelining=false"))
 
 
 def memory_report(mem, spec, gpu: GpuSpec, backend: str) -> dict:

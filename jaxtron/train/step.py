@@ -222,7 +222,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 
     return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(layout)),
                    out_shardings=(spec.state_shardings, None), donate_argnums=(0,),
-                   compiler_options=compiler_options(cfg))
+                   compiler_options=compiler_options(cfg, layout))
 
 
 def make_gradients(cfg: Config, spec: ModelSpec, layout: Layout, batch_sh: NamedSharding,
@@ -238,7 +238,7 @@ def make_gradients(cfg: Config, spec: ModelSpec, layout: Layout, batch_sh: Named
             g = jax.tree.map(lambda x: x / n, spec.histories.without(g))
             return g, {"loss": ce / n, "grad_norm": optax.global_norm(g), "tokens": n}
 
-    return jax.jit(grads, in_shardings=(spec.param_shardings, batch_sh), compiler_options=compiler_options(cfg))
+    return jax.jit(grads, in_shardings=(spec.param_shardings, batch_sh), compiler_options=compiler_options(cfg, layout))
 
 
 def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
@@ -265,4 +265,4 @@ def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
             return {"loss_sum": ce, "tokens": n}
 
     return jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding(layout)),
-                   compiler_options=compiler_options(cfg))
+                   compiler_options=compiler_options(cfg, layout))
