@@ -3,24 +3,45 @@ ahead-of-time compile and the planner (``python -m jaxtron.plan``) compile the s
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
+
+import jax
+import jax.numpy as jnp
 
 from jaxtron.config import Config
 from jaxtron.parallel.layout import Layout
 
 # XLA:GPU's CollectivePipeliner for each collective kind: in a while loop (the layer scan), the collective of
 # iteration i+1 is issued in iteration i, so it runs under that iteration's compute. MaxText's GPU configs set
-# these (with latency-hiding scheduling, XLA's default on GPU; MaxText's xla_gpu_pipeline_*=on spelling is a
-# newer XLA's, unknown to jaxlib 0.10).
+# these (with latency-hiding scheduling, XLA's default on GPU). XLA renamed them: jaxlib 0.10 knows the booleans
+# below, jaxlib 0.12 only the xla_gpu_pipeline_* enums (MaxText's --xla_gpu_pipeline_all_gather=on), and a
+# compile refuses an option its XLA does not know, so :func:`pipelined_collectives` asks XLA which it takes.
 PIPELINED_COLLECTIVES = {
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
 }
+PIPELINED_COLLECTIVES_ENUM = {f"xla_gpu_pipeline_{kind}": "COLLECTIVE_PIPELINING_MODE_ON"
+                              for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
+@functools.cache
+def pipelined_collectives() -> dict:
+    """The pipeliner options in the spelling this XLA knows: a trivial compile with the newer names, which an
+    XLA without them rejects (INVALID_ARGUMENT: no such compile option)."""
+    try:
+        jax.jit(lambda x: x).lower(jax.ShapeDtypeStruct((), jnp.float32)).compile(
+            compiler_options=PIPELINED_COLLECTIVES_ENUM)
+    except Exception:  # noqa: BLE001 - XlaRuntimeError's class moved between jax releases
+        return dict(PIPELINED_COLLECTIVES)
+    return dict(PIPELINED_COLLECTIVES_ENUM)
 
 # On by default for XLA:GPU compiles of FSDP layouts: the planner's replay of XLA's schedule (docs/planner.md,
 # "Collective pipelining") puts the per-layer weight all-gathers and gradient reductions under compute.
-# Llama-2-70B, fsdp 64 on 64 H100s: exposed comm 7.99 -> 5.89 s, step 14.37 -> 12.47 s, peak 30.6 -> 33.0 GiB
+# jax 0.12, Llama-2-70B fsdp 64 on 64 H100s: exposed comm 7.83 -> 5.98 s (MaxText 6.76 s), step 14.19 -> 12.44 s,
+# peak 30.6 -> 30.8 GiB; Llama-3-70B fsdp 128: 5.72 -> 3.42 s (MaxText 3.75 s), step 19.17 -> 16.96 s, peak
+# 41.4 -> 43.3 GiB. jax 0.10, Llama-2-70B: exposed comm 7.99 -> 5.89 s, step 14.37 -> 12.47 s, peak 30.6 -> 33.0 GiB
 # (one layer's buffers in flight); Llama-3-70B, fsdp 128: exposed 5.70 -> 4.23 s, step 19.21 -> 17.98 s, peak
 # 44.3 -> 44.0 GiB. Of MaxText's other flags only while-loop double buffering moved the replay, and both ways
 # (5.60 s on the first, 5.34 s on the second), so it is left at XLA's default. The options are xla_gpu_* only:
@@ -35,4 +56,4 @@ def compiler_options(cfg: Config, layout: Optional[Layout] = None) -> Optional[d
     if layout is None or layout.mesh is None or not cfg.parallel.collective_pipelining:
         return None
     gpu = layout.mesh.devices.flat[0].platform in GPU_PLATFORMS
-    return dict(PIPELINED_COLLECTIVES) if gpu and layout.fsdp > 1 else None
+    return pipelined_collectives() if gpu and layout.fsdp > 1 else None
