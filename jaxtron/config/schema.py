@@ -201,7 +201,7 @@ class ParallelConfig:
                                                 "(MaxText's pipeline_fsdp_ag_once).")
     sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
     collective_pipelining: bool = _f(True, "XLA:GPU's collective pipeliner, on by default for GPU compiles of "
-                                           "FSDP layouts (fsdp > 1): a layer loop's weight all-gathers, "
+                                           "FSDP layouts (fsdp > 1) across nodes: a layer loop's weight all-gathers, "
                                            "gradient reduce-scatters and all-reduces start one iteration early "
                                            "and overlap the neighbouring layer's compute, at the cost of the "
                                            "buffers in flight (one layer's; the xla_gpu_enable_pipelined_* "
