@@ -113,6 +113,27 @@ def test_plugin_check_compares_the_release_as_jaxlib_does(monkeypatch):
         plan_target.target_devices(__import__("jaxtron.plan.gpus", fromlist=["get_gpu"]).get_gpu("h100"), 8)
 
 
+def test_a_cuda13_plugin_of_jaxlib_release_is_the_compiler(monkeypatch):
+    """A GPU machine's jax may carry the CUDA 13 plugin only: the planner compiles with it when it is jaxlib's
+    release, and names the plugin it found when none is."""
+    import importlib.metadata
+
+    installed = {"jax-cuda13-plugin": "0.11.2"}
+
+    def version(name):
+        if name in installed:
+            return installed[name]
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(plan_target.importlib.metadata, "version", version)
+    monkeypatch.setattr(plan_target, "jaxlib_version", lambda: "0.11.2")
+    assert plan_target.cuda_plugin() == ("jax-cuda13-plugin", "0.11.2") and plan_target.cuda_plugin_matches()
+    installed["jax-cuda12-plugin"] = "0.10.2"  # the one of jaxlib's release wins
+    assert plan_target.cuda_plugin() == ("jax-cuda13-plugin", "0.11.2")
+    del installed["jax-cuda13-plugin"]
+    assert plan_target.cuda_plugin() == ("jax-cuda12-plugin", "0.10.2") and not plan_target.cuda_plugin_matches()
+
+
 def _maxtext_env_usable() -> bool:
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "peer_compile.py"), "--check-env"],
                        capture_output=True, timeout=120)

@@ -18,14 +18,32 @@ INSTALL = 'pip install -e ".[plan]"'
 
 
 class CompilerUnavailable(RuntimeError):
-    """The XLA:GPU compiler cannot be used here (no matching ``jax-cuda12-plugin``, or no topology)."""
+    """The XLA:GPU compiler cannot be used here (no matching ``jax-cuda12-plugin`` or ``jax-cuda13-plugin``, or no
+    topology)."""
+
+
+# The CUDA 12 plugin is what the plan extra installs (no CUDA libraries needed to compile); a GPU machine's jax
+# may carry the CUDA 13 one instead, whose XLA:GPU compiles for the same targets.
+CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+
+
+def cuda_plugin() -> tuple[str, Optional[str]]:
+    """(package, version) of the installed CUDA plugin jaxlib would load (its release is jaxlib's), else of the
+    first one installed, else ('jax-cuda12-plugin', None)."""
+    found = []
+    for name in CUDA_PLUGINS:
+        try:
+            found.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    for name, v in found:
+        if release(v) == release(jaxlib_version()):
+            return name, v
+    return found[0] if found else (CUDA_PLUGINS[0], None)
 
 
 def cuda_plugin_version() -> Optional[str]:
-    try:
-        return importlib.metadata.version("jax-cuda12-plugin")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return cuda_plugin()[1]
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -64,10 +82,9 @@ def target_devices(gpu: GpuSpec, num_gpus: int, backend: str = "auto") -> tuple[
     that the memory figures are indicative only. There is no silent fallback to the CPU compiler."""
     if backend in ("auto", "gpu"):
         if not cuda_plugin_matches():
-            v = cuda_plugin_version()
+            name, v = cuda_plugin()[0], cuda_plugin_version()
             want = jaxlib_version()
-            have = f"jax-cuda12-plugin {v} does not match jaxlib {want}" if v else \
-                "jax-cuda12-plugin is not installed"
+            have = f"{name} {v} does not match jaxlib {want}" if v else "jax-cuda12-plugin is not installed"
             raise CompilerUnavailable(
                 f"the planner needs the XLA:GPU compiler ({have}): install it with {INSTALL} (or pip install "
                 f"jax-cuda12-plugin=={want} jax-cuda12-pjrt=={want}); --backend cpu gives "
