@@ -116,8 +116,7 @@ def analyze(cfg: Config, layout: Layout, gpu: GpuSpec, text: str, node_of: np.nd
                           for kind in ASYNC_KINDS for ps in [hlo_counts.async_overlap(text, kind)] if ps},
         "roofline": roof,
         "step_model": steptime.predict(cfg, text, gpu, collective_seconds(cfg, layout, gpu, ops, node_of, moe_gemm),
-                                       n, roof["model_flops_per_step"], attention_impl,
-                                       recompute_from_module=True),
+                                       n, roof["model_flops_per_step"], attention_impl),
         "ops": ops,
         "notes": notes,
     }

@@ -394,19 +394,20 @@ def _named_waits(mod, waits: list[dict]) -> list[dict]:
 
 
 def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, model_flops_full: float,
-            attention_impl: Optional[str] = None, recompute_from_module: bool = False) -> dict:
+            attention_impl: Optional[str] = None) -> dict:
     """The step-time prediction (module doc); ``collective_s``: seconds per execution of each collective, keyed
     by (computation, instruction name); ``attention_impl``: the kernel the cluster runs, when the compile had to
     put another in its place (cuDNN is compiled as Pallas flash attention without cuDNN's libraries): its
-    measured rate times the attention calls. ``recompute_from_module``: whether attention's forward is
-    recomputed is read from the module's calls (:func:`recomputes_attention`; a module compiled elsewhere,
-    whose remat policy ``cfg`` may not name), not from ``model.remat``."""
+    measured rate times the attention calls. Whether attention's forward is recomputed is read from the
+    module's calls (:func:`recomputes_attention`: a flash kernel's output is no dot, so ``save_dots`` recomputes
+    it, and a module compiled elsewhere runs a remat policy ``cfg`` may not name); ``model.remat`` decides only
+    for a module without backward attention calls."""
     model = gemm_model(gpu)
     mod = hlo.parse_module(text)
     walk = _Walk(mod, gpu, model)
     ops = ops_time(walk, mod.entry)
     impl = attention_impl or cfg.model.attention_impl
-    recompute = recomputes_attention(ops["attention_kernels"]) if recompute_from_module else None
+    recompute = recomputes_attention(ops["attention_kernels"])
     attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops, impl, recompute)
     per_call = attention_per_call(cfg, attention_s, ops["attention_calls"], recompute)
     schedule = Schedule(walk, collective_s, per_call)
