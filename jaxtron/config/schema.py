@@ -108,6 +108,28 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    kv_lora_rank: int = _f(0, "Multi-head Latent Attention (DeepSeek-V2/V3; docs/mla.md): width of the compressed "
+                              "key/value latent each token caches; 0: standard (GQA) attention.")
+    q_lora_rank: int = _f(0, "MLA: width of the compressed query latent (DeepSeek-V3: 1536); 0: queries projected "
+                             "from the hidden state directly (DeepSeek-V2-Lite).")
+    qk_nope_head_dim: int = _f(128, "MLA: per-head query/key width without rotary embedding.")
+    qk_rope_head_dim: int = _f(64, "MLA: per-head query/key width with rotary embedding (the key's rotary part "
+                                   "is one head shared by all query heads).")
+    v_head_dim: int = _f(128, "MLA: per-head value width.")
+
+
+@dataclass
+class MTPConfig:
+    num_layers: int = _f(0, "Multi-token prediction (DeepSeek-V3; docs/mtp.md): depth D of the MTP modules, "
+                            "module k predicting token t+k+1 from the main model's hidden state and token t+k; "
+                            "each module is a projection and a decoder block sharing the embedding and the LM "
+                            "head; 0: none.")
+    loss_coef: float = _f(0.1, "Weight of the MTP loss (the mean of the D modules' cross entropies) added to the "
+                               "training loss (DeepSeek-V3: 0.3 early, then 0.1); logged apart as mtp_loss.")
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = _f(256, "Vocabulary size (rows of the embedding table).")
     hidden_size: int = _f(256, "Model width d_model.")
@@ -176,6 +198,10 @@ class ModelConfig:
     param_dtype: str = _f("float32", "Master weight dtype (optimizer state follows it).")
     moe: MoEConfig = _f(doc="Mixture-of-Experts feed-forward layers (docs/moe.md); num_experts=0: dense.",
                         factory=MoEConfig)
+    mla: MLAConfig = _f(doc="Multi-head Latent Attention (docs/mla.md); kv_lora_rank=0: standard attention.",
+                        factory=MLAConfig)
+    mtp: MTPConfig = _f(doc="Multi-token prediction modules (docs/mtp.md); num_layers=0: none.",
+                        factory=MTPConfig)
 
 
 @dataclass
