@@ -32,6 +32,7 @@ from jaxtron.model import remat
 from jaxtron.model.cache import KVCache, LayerCache, cache_mask
 from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
 from jaxtron.model.moe import MoE
+from jaxtron.model.mtp import MTPModule
 from jaxtron.model.projection import Matmuls
 from jaxtron.parallel.sharding import constrain, matmul_weight
 
@@ -148,6 +149,10 @@ class Llama(nnx.Module):
             if not cfg.tie_embeddings:
                 self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                      cfg.initializer_range, pd)
+            if cfg.mtp.num_layers:  # DeepSeek-V3 MTP (docs/mtp.md): one block of the last layer's kind per depth
+                self.mtp = _stacked(cfg.mtp.num_layers, lambda r: MTPModule(
+                    cfg, DecoderBlock(cfg, rngs=r, matmuls=matmuls, moe=bool(cfg.moe.num_experts)), rngs=r,
+                    matmuls=matmuls), rngs, axis="mtp_layers")
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
@@ -213,6 +218,26 @@ class Llama(nnx.Module):
         if self.cfg.remat != "none":
             block = jax.checkpoint(block, policy=remat.POLICIES[self.cfg.remat], prevent_cse=False)
         return jax.lax.scan(block, x, state, unroll=self.cfg.scan_unroll)
+
+    def mtp_hidden(self, h: jax.Array, mtp_inputs: jax.Array, positions: jax.Array,
+                   segment_ids: Optional[jax.Array]):
+        """The MTP modules (``model.mtp``) on ``h``, the main model's last hidden state before the final norm
+        (:meth:`run_layers_with_stats`' output): ``mtp_inputs`` [D, batch, seq] holds at position t the token
+        t+k that depth k reads. Returns each depth's hidden state after its own norm [D, batch, seq, hidden]
+        (what :meth:`head` takes: depth k's logits predict token t+k+1) and the MoE blocks' router stats
+        (a leading [D] axis; None for a dense model). The depths run in order, one scanned step each."""
+        rope = self.rope(positions)
+        graphdef, state = nnx.split(self.mtp)
+
+        def depth(h, xs):
+            module_state, tokens = xs
+            module = nnx.merge(graphdef, module_state)
+            h, stats = module(h, self.embed_tokens(tokens), rope, segment_ids)
+            return h, (module.norm(h), stats)
+
+        if self.cfg.remat != "none":
+            depth = jax.checkpoint(depth, policy=remat.POLICIES[self.cfg.remat], prevent_cse=False)
+        return jax.lax.scan(depth, h, (state, mtp_inputs))[1]
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, index, start: jax.Array
                        ) -> tuple[jax.Array, KVCache]:

@@ -57,6 +57,8 @@ _PARAM_RULES: Rules = (
     ("norm", None),
     ("layers", "stage"),  # stacked decoder layers: contiguous chunks per pipeline stage
     ("dense_layers", None),  # an MoE model's leading dense blocks: run with the embedding, before the stages
+    ("mtp_layers", None),  # the MTP modules' stack (docs/mtp.md): run on the last stage, after the layers
+    ("mtp_in", None),      # MTP eh_proj's input rows: the concatenated [embedding; hidden state]
 )
 
 # Activation axes.
