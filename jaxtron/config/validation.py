@@ -45,6 +45,7 @@ def validate(cfg: Config) -> Config:
     :mod:`jaxtron.preflight`). Raises ConfigError naming the first bad field."""
     _validate_model(cfg)
     _validate_moe(cfg)
+    _validate_mla(cfg)
     _validate_optim(cfg)
     _validate_data(cfg)
     _validate_run(cfg)
@@ -75,6 +76,8 @@ def _validate_model(cfg: Config) -> None:
     check(m.loss_chunk_tokens >= 0, "model.loss_chunk_tokens", f"must be >= 0 (0: off), got {m.loss_chunk_tokens}")
     _one_of(cfg, "model.dtype", DTYPES + ("auto",))
     _one_of(cfg, "model.param_dtype", DTYPES)
+    check(m.mtp.num_layers >= 0, "model.mtp.num_layers", f"must be >= 0 (0: no MTP), got {m.mtp.num_layers}")
+    check(m.mtp.loss_coef >= 0, "model.mtp.loss_coef", f"must be >= 0, got {m.mtp.loss_coef}")
     _one_of(cfg, "model.rope_scaling.type", ("none", "llama3"))
     if m.rope_scaling.type == "llama3":
         rs = m.rope_scaling
@@ -135,6 +138,19 @@ def _validate_moe(cfg: Config) -> None:
     _one_of(cfg, "model.moe.ep_dispatch", MOE_EP_DISPATCH)
     check(e.ep_capacity_factor is None or e.ep_capacity_factor > 0, "model.moe.ep_capacity_factor",
           f"must be > 0 (or null: the worst case, nothing dropped), got {e.ep_capacity_factor}")
+
+
+def _validate_mla(cfg: Config) -> None:
+    a, m = cfg.model.mla, cfg.model
+    for name in ("kv_lora_rank", "q_lora_rank"):
+        check(getattr(a, name) >= 0, f"model.mla.{name}", f"must be >= 0 (0: off), got {getattr(a, name)}")
+    if a.kv_lora_rank == 0:
+        return
+    _positive(cfg, "model.mla.qk_nope_head_dim", "model.mla.qk_rope_head_dim", "model.mla.v_head_dim")
+    check(a.qk_rope_head_dim % 2 == 0, "model.mla.qk_rope_head_dim", f"must be even for RoPE, got {a.qk_rope_head_dim}")
+    # the shared rotary key is one head: the fused kernel rotates q and k with the same head split
+    check(m.rope_impl == "xla", "model.rope_impl",
+          f"{m.rope_impl!r}: MLA rotates its one shared key head with the 'xla' RoPE; set model.rope_impl=xla")
 
 
 def _validate_optim(cfg: Config) -> None:

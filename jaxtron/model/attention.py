@@ -38,7 +38,7 @@ def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float,
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = matmuls.contract("bkgqs,bskd->bqkgd", probs, v, jnp.float32)
-    return out.reshape(b, s, h, d).astype(q.dtype)
+    return out.reshape(b, s, h, v.shape[-1]).astype(q.dtype)  # v may be narrower than q and k (MLA)
 
 
 def cached_attention(q, k, v, mask, scale: float, matmuls: Matmuls = Matmuls()) -> jax.Array:

@@ -105,18 +105,20 @@ def check(cfg, platform: Optional[str] = None, *, num_devices: int = 1, micro_ba
     interpreter on CPU its thread and memory limits for ``micro_batch_size`` rows per data-parallel replica and
     heads split ``tensor`` ways over ``num_devices`` devices."""
     m = cfg.model
+    # MLA's q/k heads are qk_nope_head_dim + qk_rope_head_dim wide (v is padded to that for the kernels)
+    d = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.mla.kv_lora_rank else head_dim(m)
     if m.attention_impl == "mosaic":
         from pallas_kernels.flash_attention_mosaic import MOSAIC_HEAD_DIMS
 
-        require(head_dim(m) in MOSAIC_HEAD_DIMS, "model.attention_impl",
-               f"'mosaic' supports head_dim {MOSAIC_HEAD_DIMS}, the model has {head_dim(m)}; use 'pallas'")
+        require(d in MOSAIC_HEAD_DIMS, "model.attention_impl",
+               f"'mosaic' supports head_dim {MOSAIC_HEAD_DIMS}, the model has {d}; use 'pallas'")
         require(m.dtype != "float32", "model.attention_impl",
                "'mosaic' computes in bf16/fp16 (wgmma has no IEEE fp32); model.dtype=float32 needs 'pallas'")
     if m.attention_impl == "pallas":
         from pallas_kernels.flash_attention import head_dim_supported
 
-        require(head_dim_supported(head_dim(m)), "model.attention_impl",
-               f"'pallas' needs head_dim a power of two >= 16 (64, 128, 256), the model has {head_dim(m)}; "
+        require(head_dim_supported(d), "model.attention_impl",
+               f"'pallas' needs head_dim a power of two >= 16 (64, 128, 256), the model has {d}; "
                "use 'xla'")
     if m.rope_impl == "pallas":
         from pallas_kernels.rope import head_dim_supported as rope_head_dim_supported
@@ -150,7 +152,7 @@ def check(cfg, platform: Optional[str] = None, *, num_devices: int = 1, micro_ba
         from pallas_kernels.flash_attention import INTERPRET_DQ_BYTES, interpret_dq_bytes
 
         seq = -(-cfg.data.seq_len // 128) * 128
-        need = interpret_dq_bytes(micro_batch_size, seq, m.num_heads // tensor, head_dim(m))
+        need = interpret_dq_bytes(micro_batch_size, seq, m.num_heads // tensor, d)
         require(need <= INTERPRET_DQ_BYTES, "model.deterministic_attention",
                f"'mosaic' on CPU (interpreted) sums its fused dq through {need / 2**30:.1f} GiB of partial sums at "
                f"data.seq_len={cfg.data.seq_len}; set model.deterministic_attention=true or a shorter data.seq_len")

@@ -35,9 +35,14 @@ class RMSNorm(nnx.Module):
         return (xf * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def rope_head_dim(cfg: ModelConfig) -> int:
+    """The channels RoPE rotates per head: head_dim, or MLA's qk_rope_head_dim (jaxtron/model/mla.py)."""
+    return cfg.mla.qk_rope_head_dim if cfg.mla.kv_lora_rank else head_dim(cfg)
+
+
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies [head_dim/2], with Llama-3.1 frequency-dependent scaling when configured."""
-    d = head_dim(cfg)
+    """Inverse frequencies [rope_head_dim/2], with Llama-3.1 frequency-dependent scaling when configured."""
+    d = rope_head_dim(cfg)
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     rs = cfg.rope_scaling
     if rs.type == "llama3":

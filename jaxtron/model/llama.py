@@ -31,6 +31,7 @@ from jaxtron.config import ModelConfig, compute_dtype
 from jaxtron.model import remat
 from jaxtron.model.cache import KVCache, LayerCache, cache_mask
 from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
+from jaxtron.model.mla import LatentAttention
 from jaxtron.model.moe import MoE
 from jaxtron.model.mtp import MTPModule
 from jaxtron.model.projection import Matmuls
@@ -47,7 +48,8 @@ class DecoderBlock(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.is_moe = moe
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
-        self.attention = Attention(cfg, rngs=rngs, matmuls=matmuls)
+        attention = LatentAttention if cfg.mla.kv_lora_rank else Attention  # MLA: jaxtron/model/mla.py
+        self.attention = attention(cfg, rngs=rngs, matmuls=matmuls)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs, matmuls=matmuls) if moe else SwiGLU(cfg, rngs=rngs, matmuls=matmuls)
 

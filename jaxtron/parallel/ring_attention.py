@@ -179,7 +179,7 @@ def ring(q, k, v, pos, seg, scale: float, axes: tuple[str, ...], size: int):
     b, s, h, d = q.shape
     kvh = k.shape[2]
     perm = [(i, (i + 1) % size) for i in range(size)]
-    o = jnp.zeros((b, kvh, h // kvh, s, d), jnp.float32)
+    o = jnp.zeros((b, kvh, h // kvh, s, v.shape[-1]), jnp.float32)  # v may be narrower than q and k (MLA)
     m = jnp.full((b, kvh, h // kvh, s), _NEG, jnp.float32)
     l = jnp.zeros((b, kvh, h // kvh, s), jnp.float32)
     block = (k, v, pos, seg)
@@ -197,4 +197,4 @@ def ring(q, k, v, pos, seg, scale: float, axes: tuple[str, ...], size: int):
         m = new
         block = nxt
     out = o / l[..., None]  # every query attends at least to itself: l > 0
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d).astype(q.dtype)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, v.shape[-1]).astype(q.dtype)

@@ -54,6 +54,10 @@ _PARAM_RULES: Rules = (
     ("experts", "expert"),     # MoE expert stacks' leading axis: expert parallelism
     ("router_experts", None),  # the router's columns and the aux-free bias: [hidden, E] and [E], replicated
     ("head_dim", None),
+    # MLA's latent widths (jaxtron/model/mla.py): never split over tensor (every head reads the whole latent);
+    # ZeRO-3 splits them as it splits embed where a weight has no embed axis (wq_b, wk_b, wv_b)
+    ("q_lora", ("fsdp", "context")),
+    ("kv_lora", ("fsdp", "context")),
     ("norm", None),
     ("layers", "stage"),  # stacked decoder layers: contiguous chunks per pipeline stage
     ("dense_layers", None),  # an MoE model's leading dense blocks: run with the embedding, before the stages
@@ -70,6 +74,8 @@ _ACTIVATION_RULES: Rules = (
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
     ("act_head_dim", None),
+    ("act_q_lora", None),
+    ("act_kv_lora", None),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
 )
