@@ -9,7 +9,7 @@ stop, and each exits with one ``error:`` line naming process 0.
 
 Run as ``python -m jaxtron.parallel.coordination_service BIND NUM_PROCESSES HEARTBEAT_S LINGER_S``. It prints
 ``ready`` (or ``error: ...``) on stdout once, then waits on stdin: ``done`` (process 0 ended cleanly, after its
-shutdown barrier) ends it at once; end-of-file without ``done`` (process 0 was killed) keeps it serving the
+shutdown barrier) ends it ``DONE_GRACE_S`` later; end-of-file without ``done`` (process 0 was killed) keeps it serving the
 survivors for ``LINGER_S`` seconds, long enough for their watchdogs, then it ends.
 """
 
@@ -19,6 +19,11 @@ import os
 import signal
 import sys
 import time
+
+# The shutdown barrier answers every process at once, but process 0 may read its answer first and send
+# ``done`` while the others' answers are still in flight; a service that ended then would fail their
+# ShutdownTask RPC, and JAX's client aborts from C++ (exit 134) at the end of a run that succeeded.
+DONE_GRACE_S = 2.0
 
 
 def main(argv: list[str]) -> int:
@@ -36,8 +41,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {text.splitlines()[0] if text else type(err).__name__}", flush=True)
         return 1
     print("ready", flush=True)
-    if sys.stdin.readline().strip() != "done":
-        time.sleep(linger_s)
+    time.sleep(DONE_GRACE_S if sys.stdin.readline().strip() == "done" else linger_s)
     # no shutdown here (the service's destructor waits for clients that have left or are gone): just end
     os._exit(0 if service is not None else 1)
 

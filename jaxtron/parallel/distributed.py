@@ -222,6 +222,10 @@ def _service_done() -> None:
             _SERVICE.stdin.close()
         except OSError:
             pass
+        try:  # its port is free again when this process ends (a restart may bind it at once)
+            _SERVICE.wait(timeout=30)
+        except Exception:
+            _SERVICE.kill()
 
 
 _WATCHDOG = None
