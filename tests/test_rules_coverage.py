@@ -62,7 +62,7 @@ CASES = {
         "model.moe.num_shared_experts=1", "model.moe.shared_expert_gate=true", "parallel.data=2",
         "parallel.expert=2", "parallel.tensor=2")),
     "deepseek_v3_small-ep": ("deepseek_v3_small", DEEPSEEK_SMALL + (
-        "parallel.data=2", "parallel.fsdp=1", "parallel.expert=4", "parallel.tensor=1")),
+        "parallel.data=2", "parallel.fsdp=1", "parallel.expert=4", "parallel.tensor=1", "model.mtp.num_layers=1")),
 }
 
 
@@ -143,6 +143,7 @@ def test_the_cases_use_what_their_configs_name():
     """The cases really exercise what they are there for (the rules a config switches on)."""
     assert "dense_layers" in _used("moe-dense-first-grouped-shared-ep")[0]
     assert {"experts", "router_experts"} <= _used("deepseek_v3_small-ep")[0]
+    assert {"mtp_layers", "mtp_in"} <= _used("deepseek_v3_small-ep")[0]  # the MTP module's stack
     assert "act_attn_head_exchange" in _used("qwen3-context-ulysses")[1]
     assert {"act_attn_seq", "act_kv_seq"} <= _used("llama-context-ring")[1]
     assert "act_res_seq" in _used("llama-sequence-parallel")[1]

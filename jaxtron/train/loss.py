@@ -1,5 +1,5 @@
 """Next-token cross entropy in fp32 with a loss mask, plus the optional z-loss; whole, or a chunk of tokens at a
-time through the LM head (``model.loss_chunk_tokens``)."""
+time through the LM head (``model.loss_chunk_tokens``); the shifted targets of multi-token prediction."""
 
 from __future__ import annotations
 
@@ -24,6 +24,30 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, loss_mask: jax.Arr
     ce = jnp.sum((lse - target_logit) * mask)
     z = jnp.sum(z_loss * jnp.square(lse) * mask) if z_loss else jnp.zeros((), jnp.float32)
     return ce, z, jnp.sum(mask)
+
+
+def mtp_key(name: str, depth: int) -> str:
+    """The batch key of an MTP depth's shifted array (:func:`with_mtp_targets`): ``mtp_inputs_1`` ..."""
+    return f"mtp_{name}_{depth}"
+
+
+def with_mtp_targets(batch: dict, depth: int, same_document: bool) -> dict:
+    """``batch`` plus, for each multi-token-prediction depth k = 1..``depth`` (docs/mtp.md), three [batch, seq]
+    arrays whose position t holds: ``mtp_inputs_k`` the token t+k (what depth k embeds), ``mtp_targets_k`` the
+    token t+k+1 (``targets`` shifted k further) and ``mtp_mask_k`` its loss mask, 0 past the end of the row and,
+    with ``same_document`` (packed documents that attend only within themselves), where t+k lies in another
+    document than t. Made from the whole sequences, before any reordering (context parallelism's load balance
+    permutes positions, so a shift afterwards would read the wrong neighbours)."""
+    out = dict(batch)
+    shift = lambda x, k: jnp.pad(x[:, k:], [(0, 0), (0, min(k, x.shape[1]))] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    for k in range(1, depth + 1):
+        mask = shift(batch["loss_mask"], k)
+        if same_document:
+            mask = jnp.where(shift(batch["segment_ids"], k) == batch["segment_ids"], mask, 0)
+        out[mtp_key("inputs", k)] = shift(batch["inputs"], k)
+        out[mtp_key("targets", k)] = shift(batch["targets"], k)
+        out[mtp_key("mask", k)] = mask
+    return out
 
 
 def loss_chunks(rows: int, seq: int, chunk_tokens: int) -> tuple[int, int]:

@@ -81,6 +81,8 @@ def log_line(step: int, total: int, r: dict) -> str:
     if r.get("moe_aux_loss") is not None:  # MoE models: router losses, worst layer's load, dropped assignments
         parts.append(f"moe aux {r['moe_aux_loss']:.4f} z {r['moe_z_loss']:.3g} load max/mean "
                      f"{r['moe_load_max_over_mean']:.2f} dropped {r['moe_dropped']:.2%}")
+    if r.get("mtp_loss") is not None:  # multi-token prediction: the depths' mean cross entropy, before loss_coef
+        parts.append(f"mtp loss {r['mtp_loss']:.4f}")
     if r.get("memory_gib") is not None:
         parts.append(f"memory {r['memory_gib']:.2f} GiB (peak {r['memory_peak_gib']:.2f})")
     if "skipped_steps" in r:

@@ -17,7 +17,7 @@ from jaxtron.parallel.layout import Layout
 from jaxtron.parallel.stages import (BATCH_AXES, STACKED, StageTerms, pipelined_loss, pipelined_value_and_grad,
                                      split_micro)
 from jaxtron.train.flops import moe_layer_count
-from jaxtron.train.loss import chunked_cross_entropy_sums, cross_entropy_sums
+from jaxtron.train.loss import chunked_cross_entropy_sums, cross_entropy_sums, mtp_key, with_mtp_targets
 from jaxtron.train.param_cast import ParamCast
 from jaxtron.train.state import ModelSpec
 from jaxtron.train.xla_options import compiler_options
@@ -53,27 +53,65 @@ def _head_sums(model, hidden, batch, z_loss: float, chunk_tokens: int):
     return ce + z, (ce, n, {})
 
 
+def _mtp_sums(model, h, batch, segment_ids, n, chunk_tokens: int):
+    """(objective term, aux) of the multi-token-prediction modules (docs/mtp.md) on ``h``, the main model's last
+    hidden state before its final norm: ``loss_coef`` times the mean over the depths of each depth's summed
+    cross entropy (per token once the step divides by the main loss's count ``n``: the paper's 1/T), plus
+    the MoE blocks' router losses (means over the MTP's MoE layers). ``aux["mtp_loss"]``: that mean
+    unweighted (no gradient)."""
+    cfg = model.cfg
+    depth = cfg.mtp.num_layers
+    inputs = jnp.stack([batch[mtp_key("inputs", k)] for k in range(1, depth + 1)])
+    hidden, stats = model.mtp_hidden(h, inputs, batch["positions"], segment_ids)
+    weight = model.head_weight(gathered=True) if chunk_tokens else None
+    total = _f32zero()
+    for k in range(1, depth + 1):
+        targets, mask = batch[mtp_key("targets", k)], batch[mtp_key("mask", k)]
+        if chunk_tokens:
+            ce = chunked_cross_entropy_sums(model.head, weight, hidden[k - 1], targets, mask, 0.0, chunk_tokens)[0]
+        else:
+            ce = cross_entropy_sums(model.head(hidden[k - 1]), targets, mask)[0]
+        total = total + ce
+    mean = total / depth
+    objective = cfg.mtp.loss_coef * mean
+    if stats is not None:
+        objective = objective + routing.layer_terms(stats, n, cfg.moe, depth)[0]
+    return objective, {"mtp_loss": jax.lax.stop_gradient(mean)}
+
+
 def _global_chunk_tokens(cfg: Config, layout: Layout) -> int:
     """``model.loss_chunk_tokens`` (per device) over the whole micro batch: times the ways its tokens are split
     (rows over data x fsdp x expert, sequences over context); 0: off."""
     return cfg.model.loss_chunk_tokens * layout.dp * layout.context
 
 
-def _last_stage_sums(z_loss: float, chunk_tokens: int) -> Callable:
-    """The pipeline's loss callback: :func:`_head_sums` of the last stage's output, final norm first."""
-    return lambda model, x, batch: _head_sums(model, model.final_norm(x), batch, z_loss, chunk_tokens)
+def _last_stage_sums(z_loss: float, chunk_tokens: int, mtp_segments: Optional[Callable] = None) -> Callable:
+    """The pipeline's loss callback: :func:`_head_sums` of the last stage's output, final norm first; with
+    ``mtp_segments`` (the micro batch -> its segment ids) the MTP modules run here too, on the last stage."""
+    def sums(model, x, batch):
+        objective, (ce, n, aux) = _head_sums(model, model.final_norm(x), batch, z_loss, chunk_tokens)
+        if mtp_segments is None:
+            return objective, (ce, n, aux)
+        term, mtp_aux = _mtp_sums(model, x, batch, mtp_segments(batch), n, chunk_tokens)
+        return objective + term, (ce, n, {**aux, **mtp_aux})
+    return sums
 
 
-def _sums(graphdef, params, batch, z_loss: float, packed: bool = True, chunk_tokens: int = 0):
+def _sums(graphdef, params, batch, z_loss: float, packed: bool = True, chunk_tokens: int = 0, mtp: bool = False):
+    """``mtp``: add the multi-token-prediction loss (the batch holds :func:`with_mtp_targets`' arrays)."""
     model = nnx.merge(graphdef, params)
-    hidden, stats = model.hidden_with_stats(batch["inputs"], batch["positions"], _segments(batch, packed))
-    objective, (ce, n, aux) = _head_sums(model, hidden, batch, z_loss, chunk_tokens)
+    segment_ids = _segments(batch, packed)
+    x, stats = model.run_layers_with_stats(model.embed_tokens(batch["inputs"]), batch["positions"], segment_ids)
+    objective, (ce, n, aux) = _head_sums(model, model.final_norm(x), batch, z_loss, chunk_tokens)
+    if mtp:
+        term, mtp_aux = _mtp_sums(model, x, batch, segment_ids, n, chunk_tokens)
+        objective, aux = objective + term, {**aux, **mtp_aux}
     if not model.cfg.moe.num_experts:
         return objective, (ce, n, aux)
     # The MoE losses are means over the micro batch's tokens; weighted by its token count, they add
     # coef * loss to the per-token objective the step divides by the total count (micro batches by share).
     term, report = routing.layer_terms(stats, n, model.cfg.moe, moe_layer_count(model.cfg))
-    return objective + term, (ce, n, routing.report_sums(report))
+    return objective + term, (ce, n, {**aux, **routing.report_sums(report)})
 
 
 def stage_terms(cfg: ModelConfig) -> StageTerms:
@@ -89,7 +127,7 @@ def stage_terms(cfg: ModelConfig) -> StageTerms:
 RESERVED_METRICS = ("step", "loss", "grad_norm", "lr", "tokens", "skipped", "skipped_steps", "eval_loss",
                     "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
                     "tflops_per_device_causal", "mfu", "mfu_causal", "moe_load", "moe_dropped", "moe_assigned",
-                    "moe_load_max_over_mean")
+                    "moe_load_max_over_mean", "mtp_loss")
 
 
 def _custom_sums(loss_fn: Callable, graphdef, params, batch):
@@ -137,23 +175,30 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
     z_loss = cfg.optim.z_loss
     chunk_tokens = _global_chunk_tokens(cfg, layout)
     packed = cfg.data.reset_at_eod or layout.reorders_sequences  # see _segments
+    mtp = cfg.model.mtp.num_layers
     if loss_fn is None:
-        sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss, packed, chunk_tokens)
+        sums = lambda p, b: _sums(spec.graphdef, p, b, z_loss, packed, chunk_tokens, bool(mtp))
     else:
         sums = lambda p, b: _custom_sums(loss_fn, spec.graphdef, p, b)
     grad_fn = jax.value_and_grad(sums, has_aux=True)
     if chunk_tokens and loss_fn is not None:  # refused, never silently ignored
         raise ConfigError("model.loss_chunk_tokens", "chunks the built-in loss only; a custom loss_fn computes its "
                           "own logits (jaxtron.train.loss.chunked_cross_entropy_sums chunks a head for it)")
+    if mtp and loss_fn is not None:
+        raise ConfigError("model.mtp.num_layers", "the MTP loss is the built-in loss's; a custom loss_fn would leave "
+                          "the MTP modules untrained (set model.mtp.num_layers=0)")
     if layout.stages > 1 and loss_fn is not None:
         raise ValueError("a custom loss_fn(model, batch) cannot run with parallel.stage > 1: the pipeline computes "
                          "the loss from the last stage's hidden states, not from a whole model")
 
     def loss_and_grads(params, batch):
+        if mtp:  # shifted before the load balance reorders the sequences
+            batch = with_mtp_targets(batch, mtp, packed)
         batch = layout.balance(batch)  # context parallelism: each rank's two chunks of every sequence
         if layout.stages > 1:
+            segments = (lambda mb: _segments(mb, packed)) if mtp else None
             return pipelined_value_and_grad(layout, spec.graphdef, stage_terms(cfg.model), spec.param_shardings,
-                                            _last_stage_sums(z_loss, chunk_tokens),
+                                            _last_stage_sums(z_loss, chunk_tokens, segments),
                                             lambda mb: _segments(mb, packed), params, batch,
                                             spec.histories.accumulate)
         micro = split_micro(batch, accum) if accum > 1 else None

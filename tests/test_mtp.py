@@ -1,0 +1,146 @@
+"""DeepSeek-V3 multi-token prediction (docs/mtp.md): the loss against a re-implementation written here, every
+parallel layout against one device, the config checks, and the CLI logging mtp_loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import NONZERO_LR, assert_same_training, cpu_xla_flags, synthetic_batch, tiny_config, training_record
+from jaxtron.config import ConfigError
+from jaxtron.train.trainer import Trainer, put_batch
+
+MTP_SMALL = ("model.remat=none", "model.attention_impl=xla")
+
+
+def _rms(x, scale, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _reference_objective(model, batch, depth: int, coef: float):
+    """(main CE + coef * mean_k CE_k) per main-loss token, and mean_k CE_k, written out: the MTP modules' norms,
+    concatenation, projection, shifts and masks by hand; the decoder blocks (tested on their own elsewhere) and
+    the main model's layers are the model's."""
+    cfg = model.cfg
+    eps = cfg.rms_norm_eps
+    inputs, targets, mask = (jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask"))
+    positions = jnp.asarray(batch["positions"])
+    seq = inputs.shape[1]
+    table = model.embed[...]
+    head = table.T if cfg.tie_embeddings else model.lm_head[...]
+
+    def ce_sum(hidden, tgt, msk):
+        logits = hidden @ head
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0] * msk)
+
+    h, _ = model.run_layers_with_stats(model.embed_tokens(inputs), positions, None)
+    n = jnp.sum(mask)
+    main = ce_sum(_rms(h, model.final_norm.scale[...], eps), targets, mask)
+    p = nnx.to_pure_dict(nnx.state(model.mtp, nnx.Param))
+    block_def, block_state = nnx.split(model.mtp.block)
+    per_depth = []
+    for k in range(1, depth + 1):
+        # token t+k at position t; target t+k+1; nothing past the end of the row
+        tok = jnp.concatenate([inputs[:, k:], jnp.zeros_like(inputs[:, :k])], axis=1)
+        tgt = jnp.concatenate([targets[:, k:], jnp.zeros_like(targets[:, :k])], axis=1)
+        msk = jnp.concatenate([mask[:, k:], jnp.zeros_like(mask[:, :k])], axis=1)
+        assert tok.shape[1] == seq
+        e = _rms(table[tok], p["enorm"]["scale"][k - 1], eps)
+        hn = _rms(h, p["hnorm"]["scale"][k - 1], eps)
+        x = jnp.concatenate([e, hn], axis=-1) @ p["eh_proj"][k - 1]
+        block = nnx.merge(block_def, jax.tree.map(lambda a: a[k - 1], block_state))
+        h = block(x, model.rope(positions), None)
+        per_depth.append(ce_sum(_rms(h, p["norm"]["scale"][k - 1], eps), tgt, msk))
+    mtp = sum(per_depth) / depth
+    return (main + coef * mtp) / n, mtp / n
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_loss_and_gradients_equal_a_reimplementation(depth):
+    """mtp_loss (the train step's metric, at the initial parameters) and every gradient leaf (main layers,
+    embedding, head and the MTP modules) equal the re-implementation's, with a non-zero loss mask hole so the
+    shifted masks matter."""
+    coef = 0.3
+    cfg = tiny_config(*MTP_SMALL, f"model.mtp.num_layers={depth}", f"model.mtp.loss_coef={coef}",
+                      "train.global_batch_size=2", "model.num_layers=1")
+    trainer = Trainer(cfg, jax.devices()[:1])
+    batch = synthetic_batch(cfg, 0)
+    batch["loss_mask"][:, 5] = 0.0
+    model = trainer.model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def objective(p):
+        return _reference_objective(nnx.merge(graphdef, p, rest), batch, depth, coef)
+
+    (_, ref_mtp), ref_grads = jax.value_and_grad(objective, has_aux=True)(params)
+    grads, _ = trainer.gradients(put_batch(batch, trainer.batch_sharding))
+    ref_grads = nnx.to_pure_dict(ref_grads)
+    flat = jax.tree_util.tree_leaves_with_path(ref_grads)
+    assert any("mtp" in jax.tree_util.keystr(path) for path, _ in flat)
+    for (path, e), a in zip(flat, jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    m = trainer.step(put_batch(batch, trainer.batch_sharding))
+    np.testing.assert_allclose(float(m["mtp_loss"]), float(ref_mtp), rtol=1e-5)
+    assert float(m["mtp_loss"]) > 0
+
+
+LAYOUT = (*MTP_SMALL, "model.mtp.num_layers=2", "model.mtp.loss_coef=0.5", *NONZERO_LR)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return training_record(tiny_config(*LAYOUT, "train.micro_batch_size=4"), jax.devices()[:1])
+
+
+def test_mtp_on_fsdp2_tensor2_equals_one_device(one_device):
+    """fsdp 2 x tensor 2 x data 2: losses over 3 steps, gradient norms and every gradient leaf (the MTP modules'
+    included), relative 1e-5 in fp32."""
+    eight = training_record(tiny_config(*LAYOUT, "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
+                                        "train.micro_batch_size=2"), jax.devices())
+    assert_same_training(eight, one_device)
+    assert "mtp" in one_device["grads"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_mtp_on_pipeline_stages_equals_one_device(one_device, schedule):
+    """stage 2 x data 2 x tensor 2 (the MTP modules on the last stage, after the main layers), 2 micro
+    batches, against one device accumulating the same 2 micro batches."""
+    eight = training_record(tiny_config(*LAYOUT, "parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
+                                        "train.micro_batch_size=2", f"parallel.pipeline_schedule={schedule}"),
+                            jax.devices())
+    assert_same_training(eight, one_device)
+
+
+@pytest.mark.parametrize("override,field", [("model.mtp.num_layers=-1", "model.mtp.num_layers"),
+                                            ("model.mtp.loss_coef=-0.1", "model.mtp.loss_coef")])
+def test_bad_mtp_config_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        tiny_config(override)
+
+
+def test_cli_logs_mtp_loss_and_it_falls(tmp_path):
+    """``python -m jaxtron.train`` on the tiny config with one MTP module: metrics.jsonl and the log line carry
+    mtp_loss, and it falls over the run."""
+    from helpers import TINY
+
+    env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(1), "JAX_PLATFORMS": "cpu"}
+    args = [a for a in TINY if not a.startswith("train.steps")] + [
+        *MTP_SMALL, "model.mtp.num_layers=1", "train.steps=12", "logging.log_every=1", "optim.lr=3e-3",
+        f"train.output_dir={tmp_path}"]
+    out = subprocess.run([sys.executable, "-m", "jaxtron.train", *args], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mtp loss" in out.stderr + out.stdout
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    mtp = [r["mtp_loss"] for r in rows if "mtp_loss" in r]
+    assert len(mtp) == 12, rows[-1]
+    assert mtp[-1] < mtp[0], mtp
