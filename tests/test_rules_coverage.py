@@ -13,8 +13,8 @@ The names are collected, not scanned from the source, so the test cannot drift f
 
 The models: dense Llama, Qwen2 (QKV bias), Qwen3 (Q/K norms), an MoE with leading dense layers, grouped layers
 (layer_freq 2) and a gated shared expert, and the DeepSeek-V3-style preset (configs/deepseek_v3_small.yaml at
-tiny widths: sigmoid group-limited routing, aux-free bias); the layouts: data x fsdp x tensor, sequence
-parallelism, context parallelism under each ``parallel.context_impl`` (the names inside attention differ), and
+tiny widths: sigmoid group-limited routing, aux-free bias), and Multi-head Latent Attention (its cache too); the
+layouts: data x fsdp x tensor, sequence parallelism, context parallelism under each ``parallel.context_impl`` (the names inside attention differ), and
 expert parallelism. The Pallas kernels' names (``per_shard`` over q/k/v) and FP8 (delayed histories, blockwise
 GEMM letters) are traced too.
 """
@@ -30,7 +30,7 @@ from flax import linen as nn
 from flax import nnx
 
 from helpers import tiny_config
-from jaxtron.model.cache import KVCache
+from jaxtron.model.cache import init_cache
 from jaxtron.model.llama import Llama
 from jaxtron.parallel import sharding
 from jaxtron.parallel.layout import Layout
@@ -61,6 +61,9 @@ CASES = {
         "model.num_layers=3", "model.moe.first_dense_layers=1", "model.moe.layer_freq=2",
         "model.moe.num_shared_experts=1", "model.moe.shared_expert_gate=true", "parallel.data=2",
         "parallel.expert=2", "parallel.tensor=2")),
+    "mla-dp-fsdp-tp": (None, DP + ("model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=16",
+                                   "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=8",
+                                   "model.mla.v_head_dim=8", "model.num_kv_heads=4")),
     "deepseek_v3_small-ep": ("deepseek_v3_small", DEEPSEEK_SMALL + (
         "parallel.data=2", "parallel.fsdp=1", "parallel.expert=4", "parallel.tensor=1", "model.mtp.num_layers=1")),
 }
@@ -102,10 +105,9 @@ def _used(case: str) -> tuple[frozenset, frozenset, frozenset]:
 
     def decode(state, tokens):
         model = nnx.merge(graphdef, state)
-        m = cfg.model
-        kv = jnp.zeros((m.num_layers, b, 2 * s, m.num_kv_heads, m.hidden_size // m.num_heads), jnp.float32)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        return model.forward_cached(tokens, positions, KVCache(kv, kv), 0, jnp.zeros((b,), jnp.int32))
+        cache = init_cache(cfg.model, b, 2 * s, jnp.float32)  # MLA's holds latents and rope keys
+        return model.forward_cached(tokens, positions, cache, 0, jnp.zeros((b,), jnp.int32))
 
     seen: set = set()
     original = nn.logical_to_mesh_axes

@@ -40,6 +40,12 @@ from jaxtron.train.flops import flops_per_token, moe_layer_count
 
 def attention_params(m) -> int:
     d, h, kv, hd = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m)
+    if m.mla.kv_lora_rank:  # jaxtron/model/mla.py's weights and norms
+        a = m.mla
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        query = d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * h * qk if a.q_lora_rank else d * h * qk
+        return (query + d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+                + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim) + h * a.v_head_dim * d)
     bias = (h + 2 * kv) * hd if m.qkv_bias else 0
     qk_norm = 2 * hd if m.qk_norm else 0
     return d * (h + 2 * kv) * hd + h * hd * d + bias + qk_norm

@@ -1,4 +1,5 @@
-"""Model FLOPs and MFU, following Megatron-LM's ``num_floating_point_operations`` (GQA + SwiGLU).
+"""Model FLOPs and MFU, following Megatron-LM's ``num_floating_point_operations`` (GQA + SwiGLU; MLA layers by
+:func:`mla_attention_flops`).
 
 Per token, forward, counting a multiply-add as 2 FLOPs (matmuls only, as Megatron does):
 
@@ -42,11 +43,28 @@ def flops_per_token(m: ModelConfig, seq_len: int, causal_convention: str = "full
         raise ValueError(f"causal_convention must be 'full' or 'causal', got {causal_convention!r}")
     d, h, kv, hd, f, v = (m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size,
                           m.vocab_size)
-    attn_scores = 2 * 2 * seq_len * h * hd * (0.5 if causal_convention == "causal" else 1.0)
+    causal = 0.5 if causal_convention == "causal" else 1.0
+    attn_scores = 2 * 2 * seq_len * h * hd * causal
     attn = 2 * d * (h + 2 * kv) * hd + attn_scores + 2 * h * hd * d
+    if m.mla.kv_lora_rank:
+        attn = mla_attention_flops(m, seq_len, causal)
     num_moe = moe_layer_count(m)
     dense_ffn = (m.num_layers - num_moe) * 2 * 3 * d * f
     return 3.0 * (m.num_layers * attn + dense_ffn + num_moe * moe_ffn_flops(m) + 2 * d * v)
+
+
+def mla_attention_flops(m: ModelConfig, seq_len: int, causal: float = 1.0) -> float:
+    """Forward FLOPs per token of one Multi-head Latent Attention layer (jaxtron/model/mla.py) as trained (the
+    latent expanded into per-head keys and values): the query (low-rank when q_lora_rank > 0), the latent and
+    the rope key, their expansion, scores over n + r channels, values of v, the output projection. ``causal``
+    scales the s^2 terms (0.5 under the 'causal' convention)."""
+    a, d, h = m.mla, m.hidden_size, m.num_heads
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    query = 2 * (d * a.q_lora_rank + a.q_lora_rank * h * qk) if a.q_lora_rank else 2 * d * h * qk
+    latent = 2 * d * (a.kv_lora_rank + a.qk_rope_head_dim)
+    expand = 2 * a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
+    scores = 2 * seq_len * h * (qk + a.v_head_dim) * causal
+    return query + latent + expand + scores + 2 * h * a.v_head_dim * d
 
 
 def moe_layer_count(m: ModelConfig) -> int:
