@@ -14,9 +14,9 @@ The names are collected, not scanned from the source, so the test cannot drift f
 The models: dense Llama, Qwen2 (QKV bias), Qwen3 (Q/K norms), an MoE with leading dense layers, grouped layers
 (layer_freq 2) and a gated shared expert, and the DeepSeek-V3-style preset (configs/deepseek_v3_small.yaml at
 tiny widths: sigmoid group-limited routing, aux-free bias), and Multi-head Latent Attention (its cache too); the
-layouts: data x fsdp x tensor, sequence parallelism, context parallelism under each ``parallel.context_impl`` (the names inside attention differ), and
-expert parallelism. The Pallas kernels' names (``per_shard`` over q/k/v) and FP8 (delayed histories, blockwise
-GEMM letters) are traced too.
+layouts: data x fsdp x tensor, sequence parallelism, context parallelism under each ``parallel.context_impl``
+(the names inside attention differ), and expert parallelism. The Pallas kernels' names (``per_shard`` over
+q/k/v) and FP8 (delayed histories, blockwise GEMM letters) are traced too.
 """
 
 from __future__ import annotations
