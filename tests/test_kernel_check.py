@@ -80,7 +80,9 @@ def test_when_the_trainer_checks():
     assert needs_check(config("model.attention_impl=mosaic", "model.dtype=bfloat16"), "gpu")
     assert needs_check(config("model.mlp_impl=pallas"), "cuda")
     assert needs_check(config(*MOE_PALLAS), "gpu")
-    assert not needs_check(config(*MOE_PALLAS[:2]), "gpu")                    # ragged_dot: XLA
+    assert needs_check(config(*MOE_PALLAS[:2]), "gpu")                        # auto: pallas on GPUs
+    assert not needs_check(config(*MOE_PALLAS[:2], "model.moe.gmm_impl=ragged_dot"), "gpu")  # XLA's op
+    assert not needs_check(config(*MOE_PALLAS[:2]), "cpu")
     assert not needs_check(config("model.attention_impl=pallas"), "cpu")     # interpreted: exact
     assert not needs_check(config("model.attention_impl=cudnn"), "gpu")      # no Pallas kernel
     assert not needs_check(config("model.attention_impl=pallas", "model.check_kernels=false"), "gpu")

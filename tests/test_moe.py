@@ -404,3 +404,18 @@ def test_gradient_accumulation_sums_the_expert_load_of_every_micro_batch(one_dev
     assert float(m["loss"]) == pytest.approx(one_device["losses"][0], rel=1e-5)
     assert float(m["moe_z_loss"]) == pytest.approx(whole["moe_z_loss"], rel=1e-5)
     assert float(m["moe_load_max_over_mean"]) == pytest.approx(whole["moe_load_max_over_mean"], rel=1e-6)
+
+
+def test_gmm_impl_auto_is_the_kernel_on_gpus_and_ragged_dot_elsewhere():
+    """The default model.moe.gmm_impl=auto resolves by the devices the program is built for: the grouped-GEMM
+    kernel in a GPU program (ragged_dot there multiplies every row by every expert), XLA's exact op on CPU."""
+    from jaxtron.config import gmm_impl
+    from jaxtron.model.projection import Matmuls
+
+    cfg = tiny_config(*MOE).model
+    assert cfg.moe.gmm_impl == "auto"
+    with nnx.use_eager_sharding(False):
+        assert MoE(cfg, rngs=nnx.Rngs(0), matmuls=Matmuls(cpu=False)).gmm_impl == "pallas"
+        assert MoE(cfg, rngs=nnx.Rngs(0), matmuls=Matmuls(cpu=True)).gmm_impl == "ragged_dot"
+    for chosen in ("pallas", "ragged_dot"):
+        assert gmm_impl(tiny_config(*MOE, f"model.moe.gmm_impl={chosen}").model, gpu=True) == chosen

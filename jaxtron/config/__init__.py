@@ -12,7 +12,8 @@ mesh are :mod:`jaxtron.preflight`'s.
 
 from jaxtron.config.schema import (CONFIG_DIR, DEFAULT_PRESET, CheckpointConfig, Config, ConfigError, DataConfig,
                                    DistributedConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig,
-                                   RopeScalingConfig, TrainConfig, checkpoint_dir, compute_dtype, head_dim, require)
+                                   RopeScalingConfig, TrainConfig, checkpoint_dir, compute_dtype, gmm_impl, head_dim,
+                                   require)
 from jaxtron.config.loading import (fields_help, from_dict, inference_parallel, load, load_config, preset_path,
                                     reference_markdown, to_dict, to_yaml)
 from jaxtron.config.validation import (ATTENTION_IMPLS, DTYPES, KERNEL_IMPLS, REMAT_POLICIES, SCHEDULES,
@@ -21,8 +22,8 @@ from jaxtron.config.validation import (ATTENTION_IMPLS, DTYPES, KERNEL_IMPLS, RE
 __all__ = [
     "CONFIG_DIR", "DEFAULT_PRESET", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig", "TrainConfig",
-    "checkpoint_dir", "compute_dtype", "head_dim", "require", "fields_help", "from_dict", "inference_parallel",
-    "load", "load_config",
+    "checkpoint_dir", "compute_dtype", "gmm_impl", "head_dim", "require", "fields_help", "from_dict",
+    "inference_parallel", "load", "load_config",
     "preset_path", "reference_markdown", "to_dict", "to_yaml", "ATTENTION_IMPLS", "DTYPES", "KERNEL_IMPLS",
     "REMAT_POLICIES", "SCHEDULES", "validate",
 ]

@@ -83,10 +83,11 @@ class MoEConfig:
                                    "tokens per expert, the rest dropped (their residual passes through), dense "
                                    "per-expert matmuls.")
     capacity_factor: float = _f(1.25, "capacity dispatch: expert capacity as a multiple of the balanced load.")
-    gmm_impl: str = _f("ragged_dot", "dropless dispatch's grouped matmuls: 'ragged_dot' (jax.lax.ragged_dot; XLA:GPU "
-                                     "runs it by default as a masked dense matmul, E times the FLOPs) or 'pallas' "
-                                     "(pallas_kernels.grouped_matmul, Triton; interpret mode on CPU: exact but "
-                                     "slow).")
+    gmm_impl: str = _f("auto", "dropless dispatch's grouped matmuls: 'ragged_dot' (jax.lax.ragged_dot; XLA:GPU "
+                               "runs it by default as a masked dense matmul, E times the FLOPs), 'pallas' "
+                               "(pallas_kernels.grouped_matmul, Triton; interpret mode on CPU: exact but slow; no "
+                               "FP8: the routed experts stay in model.dtype) or 'auto' (pallas on GPUs, where it "
+                               "measured 3-60x ragged_dot, docs/performance.md; ragged_dot elsewhere).")
     ep_dispatch: str = _f("all_to_all", "With parallel.expert > 1, how dropless dispatch sends tokens to their "
                                         "experts' ranks: 'all_to_all' (fixed per-rank buffers of "
                                         "ep_capacity_factor, jax.lax.all_to_all; any platform) or "
@@ -423,6 +424,14 @@ def compute_dtype(m: ModelConfig) -> str:
     import jax
 
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def gmm_impl(m: ModelConfig, gpu: bool) -> str:
+    """The resolved ``model.moe.gmm_impl`` for a program on GPUs (``gpu``) or other devices ('auto' -> pallas
+    on GPUs, ragged_dot elsewhere)."""
+    if m.moe.gmm_impl != "auto":
+        return m.moe.gmm_impl
+    return "pallas" if gpu else "ragged_dot"
 
 
 def head_dim(m: ModelConfig) -> int:

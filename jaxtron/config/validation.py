@@ -25,7 +25,7 @@ OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_SCORE_FUNCS = ("softmax", "sigmoid")
 MOE_DISPATCH = ("dropless", "capacity")
-MOE_GMM_IMPLS = ("ragged_dot", "pallas")
+MOE_GMM_IMPLS = ("auto", "ragged_dot", "pallas")
 MOE_EP_DISPATCH = ("all_to_all", "ragged_all_to_all")
 
 
@@ -117,7 +117,7 @@ def _validate_moe(cfg: Config) -> None:
           f"model.moe.first_dense_layers (the MoE layers are scanned in groups of layer_freq)")
     _one_of(cfg, "model.moe.score_func", MOE_SCORE_FUNCS)
     _one_of(cfg, "model.moe.dispatch", MOE_DISPATCH)
-    check(e.gmm_impl == "ragged_dot" or e.dispatch == "dropless", "model.moe.gmm_impl",
+    check(e.gmm_impl != "pallas" or e.dispatch == "dropless", "model.moe.gmm_impl",
           f"{e.gmm_impl!r} is the grouped matmul of dropless dispatch; model.moe.dispatch=capacity runs dense "
           "einsums (use gmm_impl=ragged_dot)")
     check(e.num_experts % e.n_group == 0, "model.moe.n_group",

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtron import config as config_lib
-from jaxtron.config import Config
+from jaxtron.config import Config, gmm_impl
 from jaxtron.model.attention import attention
 from jaxtron.model import kernels
 from jaxtron.model.layers import apply_rope, rope_frequencies
@@ -131,7 +131,8 @@ def selected_kernels(cfg: Config) -> list[str]:
     m = cfg.model
     fields = ["model.attention_impl"] if m.attention_impl in ("pallas", "mosaic") else []
     fields += [f"model.{f}" for f in ("rope_impl", "mlp_impl") if getattr(m, f) == "pallas"]
-    return fields + (["model.moe.gmm_impl"] if m.moe.num_experts and m.moe.gmm_impl == "pallas" else [])
+    # the check runs on GPUs only, where gmm_impl=auto is the Pallas kernel
+    return fields + (["model.moe.gmm_impl"] if m.moe.num_experts and gmm_impl(m, gpu=True) == "pallas" else [])
 
 
 def kernel_cases(cfg: Config, seq: int = 512):

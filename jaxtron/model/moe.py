@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config import ModelConfig, gmm_impl
 from jaxtron.model import fp8, kernels, remat, routing
 from jaxtron.model.layers import SwiGLU, param
 from jaxtron.model.projection import Matmuls
@@ -116,6 +116,7 @@ class MoE(nnx.Module):
         self.moe = e
         self.fp8 = cfg.fp8
         self.matmuls = matmuls or Matmuls.here()
+        self.gmm_impl = gmm_impl(cfg, gpu=not self.matmuls.cpu)
         self.router = param(rngs, (d, n), ("embed", ROUTER_EXPERTS), std, pd)
         self.w_gate = param(rngs, (n, d, f), (EXPERTS, "embed", "mlp"), std, pd)
         self.w_up = param(rngs, (n, d, f), (EXPERTS, "embed", "mlp"), std, pd)
@@ -162,7 +163,7 @@ class MoE(nnx.Module):
         in its AllReducePromotion pass)."""
         b, s, d = x.shape
         cast = lambda ws: [a.astype(x.dtype) for a in ws]  # noqa: E731
-        kw = {"gmm_impl": self.moe.gmm_impl, "fp8_recipe": self.fp8}
+        kw = {"gmm_impl": self.gmm_impl, "fp8_recipe": self.fp8}
         plain = lambda: dropless(x.reshape(b * s, d), r, *cast(w), **kw)  # noqa: E731
         ffn = lambda xs, sizes, *ws: expert_ffn(xs, sizes, *cast(ws), **kw)  # noqa: E731
         per_token = lambda a: a.reshape(b, s, -1)  # noqa: E731

@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from jaxtron.config import Config, head_dim
+from jaxtron.config import Config, gmm_impl, head_dim
 from jaxtron.parallel.layout import Layout
 from jaxtron.plan import moe as pmoe
 from jaxtron.plan import nccl
@@ -200,7 +200,7 @@ def fp8_flops_per_device(cfg: Config, layout: Layout, moe_gemm: str = "as_compil
     if m.fp8 == "none":
         return 0.0
     routed = 0.0
-    if moe_layer_count(m) and moe_gemm == "as_compiled" and m.moe.gmm_impl == "ragged_dot" \
+    if moe_layer_count(m) and moe_gemm == "as_compiled" and gmm_impl(m, gpu=True) == "ragged_dot" \
             and m.moe.dispatch == "dropless":
         routed = expert_flops if expert_flops is not None else pmoe.expert_flops_per_device(cfg, layout, moe_gemm)
     d, h, kv, hd = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m)

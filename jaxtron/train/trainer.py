@@ -233,6 +233,12 @@ class Trainer:
             log.info("FP8 matmuls: model.fp8=%s%s", recipe.describe(),
                      "; emulated on CPU (the same quantization; XLA:CPU runs the FP8 dots in wider types)"
                      if cpu else "")
+        moe = cfg.model.moe
+        if moe.num_experts and moe.dispatch == "dropless" and moe.gmm_impl == "auto":
+            log.info("MoE grouped matmuls: model.moe.gmm_impl=auto took %s", "ragged_dot (exact on CPU; the Pallas "
+                     "kernel would run interpreted)" if cpu else "pallas, the grouped-GEMM kernel (XLA:GPU runs "
+                     "ragged_dot over every expert)" + ("; the routed experts run in model.dtype, not FP8"
+                                                       if recipe.name != "none" else ""))
 
     # ------------------------------------------------------------------------------------ train / eval
     def evaluate(self, data=None, step: int | None = None) -> float:
