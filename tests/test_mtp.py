@@ -110,7 +110,17 @@ def test_mtp_on_fsdp2_tensor2_equals_one_device(one_device):
     assert "mtp" in one_device["grads"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.slow
+def test_mtp_with_context_parallel_load_balance_equals_one_device(one_device):
+    """context 2 x data 2 x tensor 2: the sequences reach the devices reordered (the load balance), so the
+    shifted tokens and targets must be made before it."""
+    eight = training_record(tiny_config(*LAYOUT, "parallel.data=2", "parallel.context=2", "parallel.tensor=2",
+                                        "train.micro_batch_size=4"), jax.devices())
+    assert_same_training(eight, one_device)
+    assert "mtp" in one_device["grads"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_mtp_on_pipeline_stages_equals_one_device(one_device, schedule):
     """stage 2 x data 2 x tensor 2 (the MTP modules on the last stage, after the main layers), 2 micro
     batches, against one device accumulating the same 2 micro batches."""
@@ -144,3 +154,37 @@ def test_cli_logs_mtp_loss_and_it_falls(tmp_path):
     mtp = [r["mtp_loss"] for r in rows if "mtp_loss" in r]
     assert len(mtp) == 12, rows[-1]
     assert mtp[-1] < mtp[0], mtp
+
+
+MOE_MTP = (*MTP_SMALL, "model.mtp.num_layers=1", "model.moe.num_experts=4", "model.moe.num_experts_per_token=2",
+           "model.moe.expert_intermediate_size=32", "model.moe.score_func=sigmoid", "model.moe.aux_free_bias=true",
+           "model.moe.bias_update_rate=0.05", "model.moe.aux_loss_coef=0.1", *NONZERO_LR)
+
+
+def _moe_mtp_record(cfg, devices):
+    """:func:`training_record_with_params` with the aux-free biases' gradients (zero: they move by the load)
+    taken out of the compared gradients."""
+    from helpers import training_record_with_params
+
+    record, _ = training_record_with_params(cfg, devices)
+    for tree in (record["grads"]["layers"]["mlp"], record["grads"]["mtp"]["block"]["mlp"]):
+        assert not np.any(tree.pop("expert_bias"))
+    return record
+
+
+@pytest.mark.slow
+def test_moe_mtp_block_on_fsdp2_tensor2_equals_one_device():
+    """An MoE model's MTP block is an MoE block: its router losses reach the gradients, and its aux-free bias
+    moves by its own expert load (not the main layers'), the same on fsdp 2 x tensor 2 x data 2 as on one
+    device (losses, gradients, and every parameter after 3 steps, biases included)."""
+    from helpers import assert_same_params
+
+    one = _moe_mtp_record(tiny_config(*MOE_MTP, "train.micro_batch_size=4"), jax.devices()[:1])
+    # 2 micro batches in both (the load-balancing loss is per micro batch)
+    eight = _moe_mtp_record(tiny_config(*MOE_MTP, "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
+                                        "train.micro_batch_size=1"), jax.devices())
+    assert_same_training(eight, one)
+    assert_same_params(eight["params"], one["params"], rtol=1e-5)
+    bias = one["params"]["mtp"]["block"]["mlp"]["expert_bias"]
+    assert bias.shape == (1, 4) and np.any(bias != 0)
+    assert "router" in one["grads"]["mtp"]["block"]["mlp"]

@@ -53,12 +53,15 @@ def _head_sums(model, hidden, batch, z_loss: float, chunk_tokens: int):
     return ce + z, (ce, n, {})
 
 
+MTP_LOAD = "mtp_moe_load"  # the MTP MoE blocks' expert load [D, E]: their biases' update, not a logged metric
+
+
 def _mtp_sums(model, h, batch, segment_ids, n, chunk_tokens: int):
     """(objective term, aux) of the multi-token-prediction modules (docs/mtp.md) on ``h``, the main model's last
     hidden state before its final norm: ``loss_coef`` times the mean over the depths of each depth's summed
     cross entropy (per token once the step divides by the main loss's count ``n``: the paper's 1/T), plus
     the MoE blocks' router losses (means over the MTP's MoE layers). ``aux["mtp_loss"]``: that mean
-    unweighted (no gradient)."""
+    unweighted (no gradient); for MoE blocks ``aux["mtp_moe_load"]`` [D, E], their aux-free biases' update."""
     cfg = model.cfg
     depth = cfg.mtp.num_layers
     inputs = jnp.stack([batch[mtp_key("inputs", k)] for k in range(1, depth + 1)])
@@ -74,9 +77,11 @@ def _mtp_sums(model, h, batch, segment_ids, n, chunk_tokens: int):
         total = total + ce
     mean = total / depth
     objective = cfg.mtp.loss_coef * mean
+    aux = {"mtp_loss": jax.lax.stop_gradient(mean)}
     if stats is not None:
-        objective = objective + routing.layer_terms(stats, n, cfg.moe, depth)[0]
-    return objective, {"mtp_loss": jax.lax.stop_gradient(mean)}
+        term, report = routing.layer_terms(stats, n, cfg.moe, depth)
+        objective, aux[MTP_LOAD] = objective + term, report["moe_load"]
+    return objective, aux
 
 
 def _global_chunk_tokens(cfg: Config, layout: Layout) -> int:
@@ -127,7 +132,7 @@ def stage_terms(cfg: ModelConfig) -> StageTerms:
 RESERVED_METRICS = ("step", "loss", "grad_norm", "lr", "tokens", "skipped", "skipped_steps", "eval_loss",
                     "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
                     "tflops_per_device_causal", "mfu", "mfu_causal", "moe_load", "moe_dropped", "moe_assigned",
-                    "moe_load_max_over_mean", "mtp_loss")
+                    "moe_load_max_over_mean", "mtp_loss", MTP_LOAD)
 
 
 def _custom_sums(loss_fn: Callable, graphdef, params, batch):
@@ -256,9 +261,14 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             # (the step counter, i.e. the data position, still advances).
             ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm)
             keep = lambda new, old: jnp.where(ok, new, old)
+            mtp_load = aux.pop(MTP_LOAD, None)
             aux, moe_load = routing.step_metrics(aux, n)
             if moe_load is not None and cfg.model.moe.aux_free_bias:  # DeepSeek-V3: no gradient, from the load
-                new_params = routing.update_expert_bias(new_params, moe_load, cfg.model.moe.bias_update_rate)
+                rate = cfg.model.moe.bias_update_rate
+                main = {k: v for k, v in new_params.items() if k != "mtp"}  # each bias from its own layers' load
+                new_params = {**routing.update_expert_bias(main, moe_load, rate),
+                              **({"mtp": routing.update_expert_bias(new_params["mtp"], mtp_load, rate)}
+                                 if mtp_load is not None else {})}
             new_params = jax.tree.map(keep, spec.histories.roll(new_params, params, raw), params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
             metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n,
