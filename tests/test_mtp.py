@@ -188,3 +188,47 @@ def test_moe_mtp_block_on_fsdp2_tensor2_equals_one_device():
     bias = one["params"]["mtp"]["block"]["mlp"]["expert_bias"]
     assert bias.shape == (1, 4) and np.any(bias != 0)
     assert "router" in one["grads"]["mtp"]["block"]["mlp"]
+
+
+def test_hf_mtp_names_round_trip():
+    """convert/hf/mtp.py: with L main layers and D modules the MTP tensors are HF layers L..L+D-1, eh_proj in
+    torch Linear layout [d, 2d] (jaxtron's [2d, d] transposed), the block's rows (given by the caller) under
+    mtp.block; export then import gives back every MTP parameter, and a wrong shape names the tensor."""
+    from jaxtron.convert.hf.mtp import mtp_from_hf, mtp_shared_copy_names, mtp_to_hf, mtp_weights
+    from jaxtron.convert.model_tree import abstract_model
+
+    cfg = tiny_config("model.mtp.num_layers=2").model
+    d = cfg.hidden_size
+    _, abstract = abstract_model(cfg)
+    shapes = nnx.to_pure_dict(abstract)
+    rng = np.random.default_rng(0)
+    params = {"mtp": jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), shapes["mtp"])}
+    linear_in = lambda x: x.reshape(x.shape[0], -1).T  # noqa: E731
+    block_rows = [("input_layernorm.weight", ("attn_norm", "scale"), lambda x: x, 0),
+                  ("self_attn.q_proj.weight", ("attention", "wq"), linear_in, 0),
+                  ("self_attn.k_proj.weight", ("attention", "wk"), linear_in, 0),
+                  ("self_attn.v_proj.weight", ("attention", "wv"), linear_in, 0),
+                  ("self_attn.o_proj.weight", ("attention", "wo"), lambda x: x.reshape(-1, x.shape[-1]).T, 0),
+                  ("post_attention_layernorm.weight", ("mlp_norm", "scale"), lambda x: x, 0),
+                  ("mlp.gate_proj.weight", ("mlp", "w_gate"), lambda x: x.T, 0),
+                  ("mlp.up_proj.weight", ("mlp", "w_up"), lambda x: x.T, 0),
+                  ("mlp.down_proj.weight", ("mlp", "w_down"), lambda x: x.T, 0)]
+    weights = mtp_weights(cfg.num_layers, 2, block_rows)
+    hf = mtp_to_hf(params, weights)
+    assert set(hf) == {f"model.layers.{i}.{n}" for i in (2, 3) for n in (
+        "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", *(r[0] for r in block_rows))}
+    assert hf["model.layers.3.eh_proj.weight"].shape == (d, 2 * d)
+    np.testing.assert_array_equal(hf["model.layers.3.eh_proj.weight"], params["mtp"]["eh_proj"][1].T)
+    np.testing.assert_array_equal(hf["model.layers.2.shared_head.norm.weight"], params["mtp"]["norm"]["scale"][0])
+    assert mtp_shared_copy_names(cfg.num_layers, 2) == [
+        "model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight",
+        "model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"]
+    back = mtp_from_hf(hf, weights, shapes, np.float32)
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    assert len(back) == len(flat)
+    for path, leaf in flat:
+        np.testing.assert_array_equal(back[tuple(k.key for k in path)], leaf)
+    bad = dict(hf, **{"model.layers.2.enorm.weight": np.zeros((d + 1,), np.float32)})
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.enorm\.weight"):
+        mtp_from_hf(bad, weights, shapes, np.float32)
+    assert mtp_weights(cfg.num_layers, 0, block_rows) == []
