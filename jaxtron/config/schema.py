@@ -227,6 +227,13 @@ class ParallelConfig:
                                                 "stage's unsharded weights and gradients in memory per device "
                                                 "(MaxText's pipeline_fsdp_ag_once).")
     sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
+    tp_comm_overlap: bool = _f(False, "With tensor > 1 and sequence_parallel: collective matmul (Megatron's TP "
+                                      "comm overlap). The all-gather of the sequence before a column-parallel "
+                                      "projection (Q/K/V, gate/up) and the reduce-scatter after a row-parallel one "
+                                      "(attention out, down) run as 'tensor' ring steps of ppermute, each "
+                                      "step's chunk GEMM overlapping the next chunk's transfer "
+                                      "(jaxtron/parallel/collective_matmul.py). model.fp8 other than none keeps "
+                                      "the plain collectives.")
     collective_pipelining: bool = _f(True, "XLA:GPU's collective pipeliner, on by default for GPU compiles of "
                                            "FSDP layouts (fsdp > 1) across nodes: a layer loop's weight all-gathers, "
                                            "gradient reduce-scatters and all-reduces start one iteration early "
