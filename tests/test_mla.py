@@ -6,7 +6,8 @@
 - a tensor-parallel and a context-parallel (ring) layout train as one device does (losses of 3 steps with a
   non-zero learning rate, gradient norms and every gradient leaf, fp32, 1e-5);
 - decoding against the MLA cache (latents and rope keys, absorbed form) gives the logits of the full forward,
-  and greedy generation with the cache equals recomputing the full forward at every step;
+  and greedy generation with the cache equals recomputing the full forward at every step, on one device and
+  with the heads split over parallel.tensor=2;
 - bad MLA fields give one-line ConfigErrors naming the field.
 """
 
@@ -149,13 +150,20 @@ def test_cache_holds_latents_and_cached_logits_equal_full_forward(model):
 
 
 def test_greedy_generation_with_cache_equals_recomputing(model):
+    """One device with the cache, one device recomputing the full forward at every step, and the cache with the
+    heads split over parallel.tensor=2 (the absorbed products per head shard, the latents replicated)."""
     from jaxtron.generate import generate, generate_no_cache
+    from jaxtron.preflight import inference_layout
 
     prompts = [[5, 9, 17, 3, 44, 2, 8], [7, 1, 99]]  # different lengths: left padding
     cached = generate(model, prompts, max_new_tokens=8)
     full = generate_no_cache(model, prompts, max_new_tokens=8)
     np.testing.assert_array_equal(cached.tokens, full.tokens)
     assert len(set(cached.tokens[0].tolist())) > 1, "a constant generation would not test the cache"
+    layout = inference_layout(model.cfg, ["parallel.tensor=2"])
+    sharded = layout.place(model)
+    assert sharded.layers.attention.wk_b[...].addressable_shards[0].data.shape[2] == H // 2  # heads split
+    np.testing.assert_array_equal(generate(sharded, prompts, max_new_tokens=8, layout=layout).tokens, cached.tokens)
 
 
 # ------------------------------------------------------------------------------------------ config
