@@ -191,19 +191,24 @@ def test_export_writes_weights_readable_like_the_other_files(bpe_sized_import, t
 
 
 def test_convert_help_and_deepseek_export_say_what_is_true(capsys):
+    import dataclasses
+
     from jaxtron import config as config_lib
+    from jaxtron.config.schema import MLAConfig, MTPConfig
     from jaxtron.convert import hf
     from jaxtron.convert.__main__ import main as convert_cli
 
     with pytest.raises(SystemExit):
         convert_cli(["import-hf", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "MixtralForCausalLM or Qwen3MoeForCausalLM folder" in text, text
+    assert "Qwen3MoeForCausalLM or DeepseekV3ForCausalLM folder" in text, text
     cfg = config_lib.load("deepseek_v3_small", [])
+    assert hf.config_to_hf(cfg.model)["architectures"] == ["DeepseekV3ForCausalLM"]
+    gqa = dataclasses.replace(cfg.model, mla=MLAConfig(), mtp=MTPConfig())  # DeepSeek's MoE without its attention
     with pytest.raises(ValueError, match=r"^model\.moe: a DeepSeek-V3-style MoE \(num_shared_experts=1, "
-                                         r"score_func=sigmoid, .*\) has no Hugging Face export yet; export-hf writes "
-                                         r"LlamaForCausalLM, .*Qwen3MoeForCausalLM$"):
-        hf.config_to_hf(cfg.model)
+                                         r"score_func=sigmoid, .*\) saves as DeepseekV3ForCausalLM, which needs "
+                                         r"Multi-head Latent Attention \(model\.mla\)$"):
+        hf.config_to_hf(gqa)
 
 
 @pytest.mark.parametrize("lr", ["1e39", "inf", "50"])

@@ -377,6 +377,9 @@ def test_flops_count_active_experts_as_megatron(preset):
     from jaxtron.train.flops import flops_per_token, moe_layer_count
 
     m = config_lib.load(preset).model
+    # the MoE terms only: deepseek_v3_small's MLA attention and MTP module are counted apart (test_mla, test_mtp)
+    m = dataclasses.replace(m, mla=dataclasses.replace(m.mla, kv_lora_rank=0),
+                            mtp=dataclasses.replace(m.mtp, num_layers=0))
     e, h, L, s = m.moe, m.hidden_size, m.num_layers, 4096
     n_moe = moe_layer_count(m)
     hd = config_lib.head_dim(m)

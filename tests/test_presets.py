@@ -17,7 +17,8 @@ PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 # The 64-GPU 70B layout keeps its tensor-parallel 8 (and sequence parallelism) and drops FSDP to fit; the 16-GPU
 # Mixtral layout takes FSDP over the 8.
 CPU_FIT = {"llama3_70b.yaml": ["parallel.fsdp=1", "parallel.tensor=8"],
-           "mixtral_8x7b.yaml": ["parallel.fsdp=8"]}  # two nodes' FSDP over 16 -> 8
+           "mixtral_8x7b.yaml": ["parallel.fsdp=8"],  # two nodes' FSDP over 16 -> 8
+           "deepseek_v3.yaml": ["parallel.expert=2"]}  # 1,024 GPUs' expert 64 -> 2 (tensor 2 x stage 2 x data 2)
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)

@@ -19,10 +19,10 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{import-hf,export-hf}")
     imp = sub.add_parser("import-hf",
-                         help="a Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE folder -> a weights-only "
-                              "jaxtron checkpoint",
+                         help="a Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE/DeepSeek-V3 folder -> a "
+                              "weights-only jaxtron checkpoint",
                          description="Write a Hugging Face LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                     "MixtralForCausalLM or Qwen3MoeForCausalLM folder "
+                                     "MixtralForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM folder "
                                      "(config.json + safetensors) as a weights-only jaxtron checkpoint (step 0) plus "
                                      "OUT/config.yaml, a full jaxtron config whose model section comes from the "
                                      "HF config.")
@@ -33,9 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export-hf", help="a jaxtron checkpoint -> a Hugging Face folder",
                          description="Write a jaxtron checkpoint as a Hugging Face folder that "
                                      "transformers.AutoModelForCausalLM.from_pretrained loads (LlamaForCausalLM, "
-                                     "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM, "
-                                     "as the model config says; DeepSeek-V3-style MoEs have no export yet). The "
-                                     "model config comes from the checkpoint.")
+                                     "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM or "
+                                     "DeepseekV3ForCausalLM (with model.mla and its MTP modules), as the model "
+                                     "config says). The model config comes from the checkpoint.")
     exp.add_argument("--checkpoint", required=True,
                      help="a checkpoint directory (its newest step is used; e.g. <output_dir>/checkpoints or "
                           "the output of import-hf) or one step directory of it")

@@ -62,10 +62,11 @@ def import_hf(hf_dir: str, out: str, dtype: str = "float32") -> config_lib.Confi
     if os.path.isdir(out) and os.listdir(out):
         raise ValueError(f"--out: {out} is not empty (refusing to overwrite; choose a new directory)")
     hf_config, config_path = hf.read_config(hf_dir)
-    model_cfg = dataclasses.replace(hf.config_from_hf(hf_config, source=config_path), param_dtype=dtype)
+    tensors = hf.SafetensorsFiles(hf_dir)
+    model_cfg = dataclasses.replace(hf.folder_config(hf_config, tensors, source=config_path), param_dtype=dtype)
     tok_rec = hf_tokenizer.record_from_folder(hf_dir, hf_config)
     cfg = dataclasses.replace(config_lib.Config(), model=model_cfg)
-    params = hf.params_from_hf(model_cfg, hf.SafetensorsFiles(hf_dir))  # numpy, in param_dtype
+    params = hf.params_from_hf(model_cfg, tensors, rope_interleave=hf.rope_interleaved(hf_config))  # numpy
     ckpt = Checkpointer(out, keep=1, async_save=False)
     try:
         meta = {"source": "hf", "hf_dir": hf_dir}

@@ -1,5 +1,5 @@
 """Hugging Face <-> jaxtron: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
-``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` folders (config.json + safetensors).
+``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` and ``DeepseekV3ForCausalLM`` folders (config.json + safetensors).
 
     cfg, model = jaxtron.convert.hf.load("path/to/Llama-3.1-8B", dtype="float32")
     jaxtron.convert.hf.save(model, "out/hf")          # AutoModelForCausalLM.from_pretrained("out/hf") loads it
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from typing import Optional
 
 import jax.numpy as jnp
@@ -23,33 +24,49 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.convert.hf import files
-from jaxtron.convert.hf.config import ARCHITECTURES, CONFIG_NAME, MODEL_TYPES, config_from_hf, config_to_hf, read_config
+from jaxtron.convert.hf.config import (ARCHITECTURES, CONFIG_NAME, MODEL_TYPES, config_from_hf, config_to_hf,
+                                      read_config, rope_interleaved)
 from jaxtron.convert.hf.files import INDEX_NAME, WEIGHTS_NAME, SafetensorsFiles
 from jaxtron.convert.hf.weights import params_from_hf, params_to_hf
 from jaxtron.convert.model_tree import abstract_model, model_from_params
 from jaxtron.model.llama import Llama
+from jaxtron.model.routing import ExpertBias
 
 __all__ = ["ARCHITECTURES", "CONFIG_NAME", "INDEX_NAME", "MODEL_TYPES", "WEIGHTS_NAME", "SafetensorsFiles",
-           "config_from_hf", "config_to_hf", "load", "params_from_hf", "params_to_hf", "read_config", "save"]
+           "config_from_hf", "config_to_hf", "folder_config", "load", "params_from_hf", "params_to_hf", "read_config",
+           "rope_interleaved", "save"]
 
 
 def load(hf_dir: str, dtype: Optional[str] = None, param_dtype: Optional[str] = None
          ) -> tuple[ModelConfig, Llama]:
-    """Load a Hugging Face Llama/Qwen2/Qwen3 folder: returns ``(ModelConfig, Llama)``.
+    """Load a Hugging Face folder of one of :data:`ARCHITECTURES`: returns ``(ModelConfig, Llama)``.
 
     ``dtype`` overrides the compute dtype (``ModelConfig.dtype``) and ``param_dtype`` the dtype the weights
     are kept in (default float32); ``load(dir, dtype="float32")`` gives an fp32 model.
     The model is built abstractly (``nnx.eval_shape``) and the checkpoint's arrays are merged in, so no
-    random weights are allocated. Raises ValueError naming the key/tensor and file on any mismatch."""
+    random weights are allocated. Raises ValueError naming the key/tensor and file on any mismatch.
+    A DeepSeek-V3 folder without MTP tensors loads without MTP (:func:`folder_config`)."""
     hf, config_path = read_config(hf_dir)
-    cfg = config_from_hf(hf, source=config_path)
+    tensors = SafetensorsFiles(hf_dir)
+    cfg = folder_config(hf, tensors, source=config_path)
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v is not None}
     for k, v in overrides.items():
         overrides[k] = v if v == "auto" else jnp.dtype(v).name
     cfg = dataclasses.replace(cfg, **overrides)
     graphdef, abstract = abstract_model(cfg)
-    params = params_from_hf(cfg, SafetensorsFiles(hf_dir), abstract, convert=jnp.asarray)
+    params = params_from_hf(cfg, tensors, abstract, convert=jnp.asarray,
+                            rope_interleave=rope_interleaved(hf))
     return cfg, model_from_params(cfg, params, graphdef, abstract)
+
+
+def folder_config(hf_config: Mapping, tensors: Mapping, source: str = CONFIG_NAME) -> ModelConfig:
+    """:func:`config_from_hf` of a folder whose tensors are ``tensors``: a DeepSeek-V3 config announces
+    ``num_nextn_predict_layers`` MTP modules that transformers' own ``save_pretrained`` does not write, so
+    without their tensors (HF layer ``num_hidden_layers``) the model has no MTP."""
+    cfg = config_from_hf(hf_config, source=source)
+    if cfg.mtp.num_layers and not any(n.startswith(f"model.layers.{cfg.num_layers}.") for n in tensors):
+        cfg = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, num_layers=0))
+    return cfg
 
 
 
@@ -68,7 +85,7 @@ def save(model: Llama, hf_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: 
     hf_config = config_to_hf(cfg, architecture, max_position_embeddings=max_position_embeddings,
                              dtype=out_dtype.name)
     hf_config.update(extra_config or {})
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, ExpertBias)))  # DeepSeek's bias is no Param
     tensors = params_to_hf(cfg, params)
     os.makedirs(hf_dir, exist_ok=True)
     with open(os.path.join(hf_dir, CONFIG_NAME), "w") as f:

@@ -1,6 +1,7 @@
 """Hugging Face config.json <-> jaxtron :class:`~jaxtron.config.ModelConfig`: the supported architectures
 (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
-``Qwen3MoeForCausalLM``; the MoE keys in :mod:`jaxtron.convert.hf.moe`), RoPE (default and
+``Qwen3MoeForCausalLM``, ``DeepseekV3ForCausalLM``; the MoE keys in :mod:`jaxtron.convert.hf.moe`, DeepSeek-V3's
+Multi-head Latent Attention and multi-token prediction keys here), RoPE (default and
 llama3 scaling, in the transformers 4 and 5 spellings), the checks for options jaxtron's model does not implement,
 and the reverse mapping."""
 
@@ -15,12 +16,13 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
-from jaxtron.config.schema import MoEConfig
-from jaxtron.convert.hf.moe import (MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, check_moe_export, check_moe_hf,
-                                    moe_from_hf, moe_to_hf)
+from jaxtron.config.schema import MLAConfig, MoEConfig, MTPConfig
+from jaxtron.convert.hf.moe import (DEEPSEEK_V3, MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, check_moe_export,
+                                    check_moe_hf, moe_from_hf, moe_to_hf)
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3"}
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 
 CONFIG_NAME = "config.json"
@@ -106,6 +108,9 @@ def _check_unsupported(hf: Mapping, arch: str, source: str) -> None:
     if arch == "MixtralForCausalLM" and hf.get("sliding_window"):
         raise ValueError(f"{source}: sliding_window={hf['sliding_window']} is not supported (jaxtron attention "
                          f"is full causal)")
+    if arch == DEEPSEEK_V3 and hf.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=true is not supported for {DEEPSEEK_V3} (it adds q_a/kv_a/o_proj "
+                         f"biases; jaxtron's MLA has none)")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (jaxtron attention is full "
                          f"causal)")
@@ -126,7 +131,13 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
     hidden = int(_get(hf, "hidden_size", source))
     heads = int(_get(hf, "num_attention_heads", source))
     kv_heads = int(_get(hf, "num_key_value_heads", source, heads))
+    mla, mtp = MLAConfig(), MTPConfig()
+    if arch == DEEPSEEK_V3:
+        mla, mtp = _mla_from_hf(hf, source)
+        kv_heads = heads  # MLA has no key/value head count of its own; transformers' key_value heads are the heads
     hd = hf.get("head_dim")
+    if arch == DEEPSEEK_V3:  # its head_dim is the rope width; MLA reads model.mla, model.head_dim only fills a gap
+        hd = hidden // heads if hidden % heads == 0 else mla.qk_nope_head_dim + mla.qk_rope_head_dim
     if hd is None and arch in ("Qwen3ForCausalLM", QWEN3_MOE):
         hd = 128  # transformers' Qwen3(Moe)Config default when config.json has no head_dim (not hidden // heads)
     if hd is None and hidden % heads:
@@ -136,7 +147,7 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
     if heads % kv_heads:
         raise ValueError(f"{source}: num_attention_heads={heads} is not divisible by "
                          f"num_key_value_heads={kv_heads}")
-    if hd % 2:
+    if hd % 2 and arch != DEEPSEEK_V3:  # MLA rotates qk_rope_head_dim (checked even) only
         raise ValueError(f"{source}: head_dim={hd} must be even for RoPE")
     layers = int(_get(hf, "num_hidden_layers", source))
     moe, ffn = MoEConfig(), None
@@ -158,20 +169,52 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
         qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE),
         initializer_range=float(hf.get("initializer_range", 0.02)),
         moe=moe,
+        mla=mla,
+        mtp=mtp,
     )
 
 
+def _mla_from_hf(hf: Mapping, source: str) -> tuple[MLAConfig, MTPConfig]:
+    """DeepSeek-V3's attention widths and MTP depth. A q_lora_rank of null (or 0) projects queries from the
+    hidden state directly. ``num_nextn_predict_layers`` is the depth the config announces; :func:`load` drops it
+    when the checkpoint holds no MTP weights (transformers' ``save_pretrained`` writes none)."""
+    rope = int(_get(hf, "qk_rope_head_dim", source))
+    if rope % 2:
+        raise ValueError(f"{source}: qk_rope_head_dim={rope} must be even for RoPE")
+    mla = MLAConfig(kv_lora_rank=int(_get(hf, "kv_lora_rank", source)), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+                    qk_nope_head_dim=int(_get(hf, "qk_nope_head_dim", source)), qk_rope_head_dim=rope,
+                    v_head_dim=int(_get(hf, "v_head_dim", source)))
+    if mla.kv_lora_rank <= 0:
+        raise ValueError(f"{source}: kv_lora_rank={mla.kv_lora_rank} must be > 0")
+    depth = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers"))
+    return mla, MTPConfig(num_layers=int(depth or 0))
+
+
 def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
+    if cfg.mla.kv_lora_rank:  # Multi-head Latent Attention: only DeepSeek-V3 holds it
+        arch = architecture or DEEPSEEK_V3
+        if arch != DEEPSEEK_V3:
+            raise ValueError(f"architecture: a model with model.mla saves as {DEEPSEEK_V3}, not {arch!r}")
+        if not cfg.moe.num_experts:
+            raise ValueError(f"model.moe.num_experts: {DEEPSEEK_V3} export needs MoE layers (a dense MLA model has "
+                             f"no Hugging Face class here)")
+        check_moe_export(cfg, arch)
+        return arch
+    if architecture == DEEPSEEK_V3:
+        raise ValueError(f"model.mla.kv_lora_rank: {DEEPSEEK_V3} needs Multi-head Latent Attention (set it > 0)")
+    if cfg.mtp.num_layers:
+        raise ValueError(f"model.mtp.num_layers: {cfg.mtp.num_layers} multi-token prediction modules have a Hugging "
+                         f"Face spelling only in {DEEPSEEK_V3} (with model.mla)")
     if cfg.moe.num_experts:  # Q/K norms: Qwen3-MoE, else Mixtral
         # DeepSeek-V3's routing (sigmoid scores, group-limited top-k, scaled weights, bias balancing) has no
-        # spelling in Mixtral or Qwen3-MoE, and DeepseekV3ForCausalLM is not written yet: say that, not which
-        # Mixtral field differs
+        # spelling in Mixtral or Qwen3-MoE, and DeepseekV3ForCausalLM needs MLA: say that, not which Mixtral
+        # field differs
         e, plain = cfg.moe, dict(score_func="softmax", n_group=1, routed_scaling_factor=1.0, aux_free_bias=False)
         deepseek = {k: getattr(e, k) for k, v in plain.items() if getattr(e, k) != v}
         if architecture is None and deepseek:
             shown = ({"num_shared_experts": e.num_shared_experts} if e.num_shared_experts else {}) | deepseek
             raise ValueError("model.moe: a DeepSeek-V3-style MoE (" + ", ".join(f"{k}={v}" for k, v in shown.items())
-                             + ") has no Hugging Face export yet; export-hf writes " + ", ".join(ARCHITECTURES))
+                             + f") saves as {DEEPSEEK_V3}, which needs Multi-head Latent Attention (model.mla)")
         arch = architecture or (QWEN3_MOE if cfg.qk_norm else MIXTRAL)
         if arch not in MOE_ARCHITECTURES:
             raise ValueError(f"architecture: an MoE model saves as one of {list(MOE_ARCHITECTURES)}, not {arch!r}")
@@ -179,8 +222,9 @@ def _default_architecture(cfg: ModelConfig, architecture: Optional[str]) -> str:
         return arch
     arch = architecture or ("Qwen3ForCausalLM" if cfg.qk_norm else
                             "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"architecture: {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES or arch in MOE_ARCHITECTURES:
+        raise ValueError(f"architecture: a dense model saves as one of "
+                         f"{sorted(set(ARCHITECTURES) - set(MOE_ARCHITECTURES))}, not {arch!r}")
     if (arch == "Qwen3ForCausalLM") != cfg.qk_norm:
         raise ValueError(f"model.qk_norm: {arch} {'needs' if arch == 'Qwen3ForCausalLM' else 'has no'} Q/K "
                          f"norms; {'set model.qk_norm=true' if not cfg.qk_norm else 'save as Qwen3ForCausalLM'}")
@@ -201,7 +245,9 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
 
     ``architecture`` defaults to ``Qwen3ForCausalLM`` when ``cfg.qk_norm``, ``Qwen2ForCausalLM`` when
     ``cfg.qkv_bias``, else ``LlamaForCausalLM``; for an MoE model, ``Qwen3MoeForCausalLM`` when
-    ``cfg.qk_norm``, else ``MixtralForCausalLM``.
+    ``cfg.qk_norm``, else ``MixtralForCausalLM``; with ``cfg.mla`` (an MoE model), ``DeepseekV3ForCausalLM``, its
+    rope rows interleaved as DeepSeek's checkpoints are (``rope_interleave: true``; see
+    :mod:`jaxtron.convert.hf.weights`) and ``num_nextn_predict_layers`` = ``cfg.mtp.num_layers``.
     RoPE is written as transformers 5 reads it (``rope_parameters`` with ``rope_type`` and ``rope_theta``)
     and also as transformers 4 reads it (top-level ``rope_theta`` and ``rope_scaling``; transformers 5
     folds these into the same ``rope_parameters``). jaxtron has no position table, so
@@ -249,6 +295,13 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
     }
     if arch == "LlamaForCausalLM":
         hf.update(attention_bias=False, mlp_bias=False)
+    elif arch == DEEPSEEK_V3:
+        m = cfg.mla
+        hf.update(moe_to_hf(cfg, arch), num_key_value_heads=cfg.num_heads, head_dim=m.qk_rope_head_dim,
+                  kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank or None,
+                  qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                  v_head_dim=m.v_head_dim, rope_interleave=True, attention_bias=False,
+                  num_nextn_predict_layers=cfg.mtp.num_layers)
     elif arch in MOE_ARCHITECTURES:
         hf.update(moe_to_hf(cfg, arch))
     else:
@@ -256,6 +309,12 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
     if arch == "Qwen3ForCausalLM":
         hf.update(attention_bias=False)
     return hf
+
+def rope_interleaved(hf: Mapping) -> bool:
+    """Whether a DeepSeek-V3 checkpoint's rope rows are in interleaved pairs (``rope_interleave``, transformers'
+    default true); :func:`jaxtron.convert.hf.params_from_hf` takes it."""
+    return bool(hf.get("rope_interleave", True))
+
 
 def read_config(hf_dir: str) -> tuple[dict, str]:
     """(config.json of the Hugging Face folder ``hf_dir`` as a dict, its path); ValueError naming the file."""
