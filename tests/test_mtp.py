@@ -64,14 +64,14 @@ def _reference_objective(model, batch, depth: int, coef: float):
     return (main + coef * mtp) / n, mtp / n
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_mtp_loss_and_gradients_equal_a_reimplementation(depth):
+@pytest.mark.parametrize("depth,chunk", [(1, 0), (2, 0), (2, 8)])
+def test_mtp_loss_and_gradients_equal_a_reimplementation(depth, chunk):
     """mtp_loss (the train step's metric, at the initial parameters) and every gradient leaf (main layers,
     embedding, head and the MTP modules) equal the re-implementation's, with a non-zero loss mask hole so the
-    shifted masks matter."""
+    shifted masks matter; whole heads and heads a chunk of 8 tokens at a time (model.loss_chunk_tokens)."""
     coef = 0.3
     cfg = tiny_config(*MTP_SMALL, f"model.mtp.num_layers={depth}", f"model.mtp.loss_coef={coef}",
-                      "train.global_batch_size=2", "model.num_layers=1")
+                      "train.global_batch_size=2", "model.num_layers=1", f"model.loss_chunk_tokens={chunk}")
     trainer = Trainer(cfg, jax.devices()[:1])
     batch = synthetic_batch(cfg, 0)
     batch["loss_mask"][:, 5] = 0.0
