@@ -95,7 +95,8 @@ def test_module_matches_deepseek_v3_attention(q_lora):
         target[...] = jnp.asarray(w, jnp.float32)
     pos = jnp.asarray(positions, jnp.int32)
     inv_freq = rope_frequencies(cfg)
-    out = module(jnp.asarray(x, jnp.float32), Rope(pos, inv_freq, *rope_tables(pos, inv_freq)), None)
+    rope = Rope(pos, inv_freq, *rope_tables(pos, inv_freq))
+    out = nnx.jit(lambda m, x: m(x, rope, None))(module, jnp.asarray(x, jnp.float32))  # jitted: eager is slower
     expected = _hf_attention(x, W, positions.astype(np.float64), cfg.rope_theta, cfg.rms_norm_eps)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
 
