@@ -232,3 +232,25 @@ def test_hf_mtp_names_round_trip():
     with pytest.raises(ValueError, match=r"model\.layers\.2\.enorm\.weight"):
         mtp_from_hf(bad, weights, shapes, np.float32)
     assert mtp_weights(cfg.num_layers, 0, block_rows) == []
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek_v3_small"])
+def test_flops_count_each_mtp_module(preset):
+    """Each MTP module adds eh_proj (2 * 2d * d), one decoder layer of the last layer's kind (MoE and MLA in
+    deepseek_v3_small: the same attention and FFN FLOPs as a main MoE layer) and one more LM head pass, x3 for
+    training."""
+    import dataclasses
+
+    from jaxtron import config as config_lib
+    from jaxtron.train.flops import flops_per_token
+
+    m = config_lib.load(preset).model
+    at = lambda depth: dataclasses.replace(m, mtp=dataclasses.replace(m.mtp, num_layers=depth))  # noqa: E731
+    d, v, s = m.hidden_size, m.vocab_size, 4096
+    base = flops_per_token(at(0), s)
+    # one main layer of the last kind: the whole model without its head, over its layers, for a model of
+    # uniform layers; deepseek_v3_small's first layer is dense, so take the difference of two depths instead
+    deeper = dataclasses.replace(at(0), num_layers=m.num_layers + 1)
+    layer = flops_per_token(deeper, s) - base
+    expected = base + 2 * (3 * (2 * 2 * d * d + 2 * d * v) + layer)
+    assert flops_per_token(at(2), s) == pytest.approx(expected, rel=1e-12)

@@ -16,7 +16,10 @@ the parameters a token is multiplied by, not all of them (Megatron's MoE formula
     routed experts    2 * 3 * d * expert_ffn * k      (top-k experts per token)
     shared experts    2 * 3 * d * shared_ffn * n_shared  (+ 2 * d for Qwen's shared-expert gate)
 
-in place of the SwiGLU term; dense layers (first_dense_layers, the dense layers of a layer_freq group) keep it. Two conventions for causal attention:
+in place of the SwiGLU term; dense layers (first_dense_layers, the dense layers of a layer_freq group) keep it.
+Each multi-token-prediction module (``model.mtp``, docs/mtp.md) adds its ``eh_proj`` (2 * 2d * d), one decoder
+layer of the last layer's kind and one more logits term, as Megatron counts its MTP layers. Two conventions for
+causal attention:
 ``full`` counts the s^2 term whole (Megatron's published tables, NeMo's 62.5% MFU figure) and ``causal``
 halves it (Megatron's code today). jaxtron reports MFU under both.
 """
@@ -50,7 +53,9 @@ def flops_per_token(m: ModelConfig, seq_len: int, causal_convention: str = "full
         attn = mla_attention_flops(m, seq_len, causal)
     num_moe = moe_layer_count(m)
     dense_ffn = (m.num_layers - num_moe) * 2 * 3 * d * f
-    return 3.0 * (m.num_layers * attn + dense_ffn + num_moe * moe_ffn_flops(m) + 2 * d * v)
+    # each MTP module: eh_proj [2d, d], a decoder layer of the last layer's kind and its own pass of the LM head
+    mtp = m.mtp.num_layers * (2 * 2 * d * d + attn + (moe_ffn_flops(m) if num_moe else 2 * 3 * d * f) + 2 * d * v)
+    return 3.0 * (m.num_layers * attn + dense_ffn + num_moe * moe_ffn_flops(m) + 2 * d * v + mtp)
 
 
 def mla_attention_flops(m: ModelConfig, seq_len: int, causal: float = 1.0) -> float:
