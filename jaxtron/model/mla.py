@@ -99,7 +99,7 @@ class LatentAttention(nnx.Module):
         return (n + r) ** -0.5
 
     def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
-        n, r, vd = self.dims
+        n, r, _ = self.dims
         q = self._queries(x)                                                    # [b, s, h, n + r]
         latent = self.recipe.project(self, "wkv_a", "bsd,dc->bsc", x, c="act_kv_lora")
         latent = self.kv_norm(remat.tag(constrain(latent, KV_LATENT), remat.QKV[1]))  # [b, s, c]
