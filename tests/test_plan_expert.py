@@ -12,7 +12,9 @@ from jaxtron.plan import model as pm
 from jaxtron.plan import moe as pmoe
 from test_plan import MOE, _cli, needs_xla_gpu
 
-EP = ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1", "model.moe.ep_overlap=true")
+# ragged_dot, whose masked dense matmuls the HLO counts (gmm_impl=auto would take the Pallas kernel for GPUs)
+EP = ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1", "model.moe.ep_overlap=true",
+      "model.moe.gmm_impl=ragged_dot")
 
 
 @needs_xla_gpu
@@ -81,6 +83,10 @@ def test_xla_gpu_compiles_the_ragged_all_to_all_dispatch_with_the_pallas_grouped
     ragged = r["collectives"]["ragged-all-to-all"]
     assert ragged["ops"] >= 3, r["collectives"]  # rows, slot ids and results forward; their transposes
     assert r["moe"]["expert_matmul_flops_per_device"]["as_compiled_hlo"] == 0  # custom calls, not HLO dots
+    # ...so the roofline runs the kernel's active FLOPs (the closed form), as under --moe-gemm grouped
+    cfg = config_lib.load(None, MOE + ["parallel.expert=4", "parallel.data=2"])
+    grouped = pm.hardware_flops_per_device(cfg, Layout.planned(cfg, 8), "grouped")
+    assert r["roofline"]["hardware_flops_per_device"] == pytest.approx(grouped, rel=1e-6)
 
 
 def test_an_exchange_across_two_nodes_sends_only_its_off_node_share_over_the_network():

@@ -23,9 +23,10 @@ MOE_GEMM_NOTES = {
                    "grouped GEMM's FLOPs; E/parallel.expert with expert parallelism), capacity dispatch to "
                    "dense einsums over the capacity slots, on the rows each device gets (dropless: its own "
                    "tokens, or with parallel.expert its exchange buffers; capacity: GSPMD gathers the global "
-                   "micro batch)",
-    "grouped": "MoE: the roofline assumes a grouped-GEMM kernel (model.moe.gmm_impl=pallas; not timed on a "
-               "GPU) over a dispatch that keeps tokens on their device (dropless's): "
+                   "micro batch); the Pallas grouped GEMM (gmm_impl=pallas, and auto on GPUs) runs the active "
+                   "FLOPs only",
+    "grouped": "MoE: the roofline assumes a grouped-GEMM kernel (model.moe.gmm_impl=pallas or auto; timed on "
+               "an H200, docs/performance.md) over a dispatch that keeps tokens on their device (dropless's): "
                "the routed experts execute their active FLOPs only; the expert-parallel all-to-all stays, "
                "GSPMD's dispatch collectives over the batch axes are left out; memory is still the compiled "
                "program's",
@@ -40,7 +41,8 @@ def moe_section(cfg: Config, layout: Layout, gpu: GpuSpec, ops, node_of, moe_gem
     prediction under the other assumption, and how many of the schedule's async all-to-alls have expert
     matmuls between start and done (the exchange overlapping the experts; the roofline does not count it)."""
     other = "grouped" if moe_gemm == "as_compiled" else "as_compiled"
-    alt = pm.roofline(cfg, layout, gpu, ops, layout.num_devices, node_of, other, expert_flops)
+    alt = pm.roofline(cfg, layout, gpu, ops, layout.num_devices, node_of, other,
+                      None if pmoe.runs_grouped_kernel(cfg) else expert_flops)
     pairs = hlo_counts.async_overlap(text, "all-to-all", pmoe.EXPERT_MATMUL_OPS)
     e = cfg.model.moe
     return {
@@ -99,7 +101,9 @@ def analyze(cfg: Config, layout: Layout, gpu: GpuSpec, text: str, node_of: np.nd
     ops = hlo.collectives(text, n)
     dots = hlo_counts.dot_flops(text, pmoe.EXPERT_MATMULS)
     moe = pm.moe_layer_count(cfg.model) > 0
-    roof = pm.roofline(cfg, layout, gpu, ops, n, node_of, moe_gemm, dots["marked"] if moe else None)
+    # the Pallas grouped GEMM's calls are no dots in the HLO: its FLOPs are the closed form's active ones
+    expert_flops = dots["marked"] if moe and not pmoe.runs_grouped_kernel(cfg) else None
+    roof = pm.roofline(cfg, layout, gpu, ops, n, node_of, moe_gemm, expert_flops)
     notes = [MOE_GEMM_NOTES[moe_gemm]] if moe else []
     unknown = hlo.unknown_trip_counts(hlo.parse_module(text))
     if unknown:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import re
 
-from jaxtron.config import Config
+from jaxtron.config import Config, gmm_impl
 from jaxtron.parallel.expert import capacity
 from jaxtron.parallel.layout import Layout
 from jaxtron.train.flops import moe_layer_count
@@ -120,12 +120,18 @@ def expert_flops_per_device(cfg: Config, layout: Layout, gemm: str) -> float:
     m, e = cfg.model, cfg.model.moe
     d, f = m.hidden_size, e.expert_intermediate_size
     layers = moe_layer_count(m) * 3 * remat_factor(cfg)  # forward + backward (2 x forward)
-    if gemm == "grouped":
+    if gemm == "grouped" or runs_grouped_kernel(cfg):
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         return layers * 2 * 3 * d * f * e.num_experts_per_token * tokens / layout.num_devices
     masked = _masked_groups(cfg, layout)
     per_micro = 2 * 3 * dispatch_rows(cfg, layout) * masked * _contraction(cfg, layout) * f / layout.tp
     return layers * per_micro * layout.accumulation_steps
+
+
+def runs_grouped_kernel(cfg: Config) -> bool:
+    """Whether a GPU program of ``cfg`` runs its routed experts through the Pallas grouped GEMM (whose calls
+    the HLO does not count as dots: it executes the active rows' FLOPs)."""
+    return cfg.model.moe.dispatch == "dropless" and gmm_impl(cfg.model, gpu=True) == "pallas"
 
 
 def _masked_groups(cfg: Config, layout: Layout) -> int:
@@ -202,3 +208,58 @@ def exchange_bytes(cfg: Config, layout: Layout) -> float:
         rows *= ragged_sent_fraction(cfg, layout)
     per_exchange = rows * cfg.model.hidden_size * 2 * (ep - 1) / ep
     return moe_layer_count(cfg.model) * exchanges * per_exchange * layout.accumulation_steps
+
+
+# What XLA:GPU runs as GEMMs or as no kernel at all; everything else under the dispatch's scope moves memory.
+_NOT_MEMORY_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+                   "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "dot",
+                   "fusion-done", "async-done", "copy-done"}
+_SLICE_OPS = ("dynamic-slice", "slice", "gather")
+
+
+def dispatch_memory(text: str, hbm_bytes_per_s: float) -> dict:
+    """The MoE dispatch's memory-bound work in an optimized module: every executed instruction whose op_name is
+    under the ``moe_experts`` scope that is no GEMM (dot fusions, cuBLAS calls, the Pallas grouped matmuls),
+    no collective and no control flow, times how often its computation runs per step (loop trip counts).
+    Bytes: its operands' and result's (a gather or slice: twice its result), a simpler count than the step
+    model's (which reads only the slices a fusion takes of a stacked operand), so the two are close but not
+    equal; ``seconds`` at ``hbm_bytes_per_s``. ``top``: the five costliest instructions."""
+    mod = hlo.parse_module(text)
+    mult = mod.multipliers()
+    inner = set()  # fusion bodies and reducers: their instructions are not kernels of their own
+    for instrs in mod.computations.values():
+        for _n, _s, opcode, rest in instrs:
+            callees = dict(hlo.CALLEE_RE.findall(rest))
+            if opcode in ("fusion", "fusion-start") and "calls" in callees:
+                inner.add(callees["calls"])
+            if "to_apply" in callees:
+                inner.add(callees["to_apply"])
+    total, ops, per = 0.0, 0.0, {}
+    for comp, instrs in mod.computations.items():
+        runs = mult.get(comp, 0.0)
+        if comp in inner or not runs:
+            continue
+        shapes = {n: sh for n, sh, _op, _r in instrs}
+        for name, shape, opcode, rest in instrs:
+            op_name = hlo.OP_NAME_RE.search(rest)
+            if (not op_name or not re.search(EXPERT_MATMULS, op_name.group(1)) or opcode in _NOT_MEMORY_OPS
+                    or any(k in opcode for k in EXCHANGES + ("all-gather", "all-reduce", "reduce-scatter",
+                                                            "collective-permute", "async-start"))
+                    or hlo.is_gemm_call(opcode, rest) or "pallas_call" in op_name.group(1)):
+                continue
+            if opcode == "fusion" and _is_gemm_fusion(mod, rest):
+                continue
+            out = hlo.shape_bytes(shape)
+            moved = 2.0 * out if opcode in _SLICE_OPS else out + sum(
+                hlo.shape_bytes(hlo.operand_shape(shapes, o)) for o in hlo.operand_names(rest))
+            total += runs * moved
+            ops += runs
+            per[name] = (runs * moved, op_name.group(1)[-90:], shape[:60])
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:5]
+    return {"bytes": total, "seconds": total / hbm_bytes_per_s, "ops": ops,
+            "top": [{"instruction": n, "bytes": b, "op": o, "shape": s} for n, (b, o, s) in top]}
+
+
+def _is_gemm_fusion(mod, rest: str) -> bool:
+    body = mod.computations.get(dict(hlo.CALLEE_RE.findall(rest)).get("calls", ""), [])
+    return any(op == "dot" or hlo.is_gemm_call(op, r) for _n, _s, op, r in body)
