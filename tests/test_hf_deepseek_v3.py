@@ -65,7 +65,8 @@ def _weights(model) -> dict:
     return nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, ExpertBias)))
 
 
-PARITY_CASES = {"q_lora-interleaved": (Q_LORA, True), "no-q_lora": (None, True), "rope-not-interleaved": (Q_LORA, False)}
+PARITY_CASES = {"q_lora-interleaved": (Q_LORA, True), "no-q_lora": (None, True),
+                "rope-not-interleaved": (Q_LORA, False)}
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=list(PARITY_CASES))

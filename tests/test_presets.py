@@ -18,7 +18,7 @@ PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 # Mixtral layout takes FSDP over the 8.
 CPU_FIT = {"llama3_70b.yaml": ["parallel.fsdp=1", "parallel.tensor=8"],
            "mixtral_8x7b.yaml": ["parallel.fsdp=8"],  # two nodes' FSDP over 16 -> 8
-           "deepseek_v3.yaml": ["parallel.expert=2"]}  # 1,024 GPUs' expert 64 -> 2 (tensor 2 x stage 2 x data 2)
+           "deepseek_v3.yaml": ["parallel.fsdp=1", "parallel.expert=2"]}  # 1,024 GPUs -> expert 2 x tensor 2 x stage 2
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)

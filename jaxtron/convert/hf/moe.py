@@ -1,6 +1,7 @@
 """The Mixture-of-Experts side of the Hugging Face mapping: ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` and
-``DeepseekV3ForCausalLM`` config keys <-> :class:`~jaxtron.config.schema.MoEConfig`, the checks for MoE configs a HF class cannot hold,
-and which HF decoder layer each jaxtron layer stack holds (for the weights, :mod:`jaxtron.convert.hf.weights`).
+``DeepseekV3ForCausalLM`` config keys <-> :class:`~jaxtron.config.schema.MoEConfig`, the checks for MoE configs a
+HF class cannot hold, and which HF decoder layer each jaxtron layer stack holds (for the weights,
+:mod:`jaxtron.convert.hf.weights`).
 
 Layer kinds. Qwen3-MoE layer ``i`` is MoE when ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step
 == 0``; jaxtron's layer ``i >= first_dense_layers`` is MoE when ``(i - first_dense_layers + 1) % layer_freq ==
@@ -212,8 +213,9 @@ def moe_weight_names(cfg) -> tuple[tuple[str, str], list[tuple[str, str, bool]]]
     """HF names (after ``model.layers.{i}.``) of the router and of expert ``{j}``'s gate/up/down weights, with
     the jaxtron key under ``mlp`` (and whether it is an output projection). DeepSeek-V3 (MLA models) and
     Qwen3-MoE share the names; DeepSeek-V3's extra router bias and shared experts are
-    :func:`deepseek_v3_extra_names`'."""
-    if cfg.qk_norm or cfg.mla.kv_lora_rank:  # Qwen3-MoE (transformers 5 fuses gate/up in memory but writes and reads these names)
+    :func:`deepseek_v3_extra_names`'s."""
+    # Qwen3-MoE and DeepSeek-V3 (transformers 5 fuses gate/up in memory but writes and reads these names)
+    if cfg.qk_norm or cfg.mla.kv_lora_rank:
         return ("mlp.gate.weight", "router"), [("mlp.experts.{j}.gate_proj.weight", "w_gate", False),
                                                ("mlp.experts.{j}.up_proj.weight", "w_up", False),
                                                ("mlp.experts.{j}.down_proj.weight", "w_down", True)]
