@@ -80,6 +80,9 @@ def _rope_from_hf(hf: Mapping, source: str) -> tuple[float, RopeScalingConfig]:
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type == "default":
         return theta, RopeScalingConfig(type="none")
+    if rope_type == "yarn":  # DeepSeek-V3's released config: its YaRN came with the long-context extension
+        raise ValueError(f"{source}: {key}.rope_type='yarn' is not supported (jaxtron has no YaRN RoPE scaling, "
+                         f"which changes the rotary frequencies and the softmax scale at every position)")
     if rope_type != "llama3":
         raise ValueError(f"{source}: {key}.rope_type={rope_type!r} is not supported; jaxtron supports "
                          f"'default' and 'llama3'")
