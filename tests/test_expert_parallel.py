@@ -190,14 +190,61 @@ def test_pallas_grouped_matmul_runs_on_each_ranks_experts():
 
 
 def test_overlapped_dispatch_equals_the_whole_one():
-    """model.moe.ep_overlap on expert 4 x data 2 at worst-case capacity: each device's tokens go in two halves,
-    each exchange tied to the other half's experts (optimization_barrier); twice the exchanges, the same output
-    and gradients as the whole dispatch."""
+    """model.moe.ep_overlap on expert 4 x data 2 at worst-case capacity: each device's tokens go in chunks
+    pipelined by their data dependencies alone (no barrier); twice the exchanges, the same output and
+    gradients as the whole dispatch."""
+    from jaxtron.parallel.expert import OVERLAP_CHUNKS
+
     EP4 = ("parallel.expert=4", "parallel.data=2")
     got, whole = _output_and_grads((*EP4, "model.moe.ep_overlap=true")), _output_and_grads(EP4)
-    assert got[0].count("all_to_all") == 2 * whole[0].count("all_to_all") > 0
-    assert "optimization_barrier" in got[0] and "optimization_barrier" not in whole[0]
+    assert got[0].count("all_to_all") == OVERLAP_CHUNKS * whole[0].count("all_to_all") > 0
+    assert "optimization_barrier" not in got[0]
     _assert_same_layer(got, whole)
+
+
+def test_row_gathers_have_the_values_and_gradients_of_take():
+    """gather_rows and combine_rows (the dispatch's permutations, whose gradients are gathers) against jnp.take
+    and a weighted sum, out-of-range indices (empty slots, dropped assignments) included: values and every
+    gradient equal; and the dispatch's compiled gradient scatters no floats (only the small int inverse
+    permutations)."""
+    import jax.numpy as jnp
+
+    from jaxtron.parallel.expert import combine_rows, gather_rows, sorted_dropless
+
+    rng = np.random.default_rng(3)
+    t, k, slots, d = 6, 2, 15, 4
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    slot_of = rng.permutation(slots)[:t * k].reshape(t, k).astype(np.int32)
+    slot_of[0, 1] = slots                                  # a dropped assignment
+    token = np.full(slots, t, np.int32)                    # the token each slot reads, t for an empty slot
+    assignment = np.full(slots, t * k, np.int32)
+    for i in range(t):
+        for j in range(k):
+            if slot_of[i, j] < slots:
+                token[slot_of[i, j]], assignment[slot_of[i, j]] = i, i * k + j
+    w = rng.uniform(size=(t, k)).astype(np.float32)
+    take = lambda a, i: jnp.take(a, i, axis=0, mode="fill", fill_value=0)  # noqa: E731
+
+    def ours(x, w):
+        rows = gather_rows(x, jnp.asarray(token), jnp.asarray(slot_of)) * 3.0
+        return combine_rows(rows, w, jnp.asarray(slot_of), jnp.asarray(assignment))
+
+    def reference(x, w):
+        rows = take(x, token) * 3.0
+        return jnp.sum(take(rows, slot_of) * w[..., None], axis=1)
+
+    probe = rng.normal(size=(t, d)).astype(np.float32)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w) * probe)  # noqa: E731
+    np.testing.assert_allclose(ours(x, w), reference(x, w), rtol=1e-6)
+    for a, b in zip(jax.grad(loss(ours), (0, 1))(x, w), jax.grad(loss(reference), (0, 1))(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+    experts = rng.integers(0, 4, size=(t, k)).astype(np.int32)
+    ffn = lambda rows, sizes, we: jax.lax.ragged_dot(rows, we, sizes)  # noqa: E731
+    f = lambda x, we: jnp.sum(sorted_dropless(x, experts, w, (we,), ffn) ** 2)  # noqa: E731
+    hlo = jax.jit(jax.grad(f, (0, 1))).lower(x, rng.normal(size=(4, d, d)).astype(np.float32)).compile().as_text()
+    float_scatters = [line for line in hlo.splitlines() if " scatter(" in line and " f32[" in line.split("=")[1]]
+    assert not float_scatters, float_scatters
 
 
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,

@@ -69,17 +69,11 @@ def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, gmm_impl: str = "ragged_do
 
 
 def dropless(x, r: routing.Routing, w_gate, w_up, w_down, gmm_impl: str = "ragged_dot", fp8_recipe: str = "none"):
-    """x: [T, D]; experts/weights: [T, k]; weights [E, D, F], [E, F, D] -> [T, D]."""
-    t, k = r.experts.shape
-    num_experts = w_gate.shape[0]
-    flat = r.experts.reshape(-1)                                   # assignment a = token a // k, choice a % k
-    order = jnp.argsort(flat, stable=True)                         # assignments grouped by expert
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    xs = jnp.take(x, order // k, axis=0)                           # [T*k, D] in expert order
-    ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, gmm_impl, fp8_recipe)
-    y = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)  # back to token order
-    combined = jnp.sum(y.astype(jnp.float32) * r.weights[..., None], axis=1)
-    return combined.astype(x.dtype), jnp.zeros((), jnp.float32)
+    """x: [T, D]; experts/weights: [T, k]; weights [E, D, F], [E, F, D] -> [T, D]. The assignments sorted by
+    expert and the tokens permuted by gathers (forward and backward: jaxtron.parallel.expert.sorted_dropless)."""
+    ffn = lambda xs, sizes, *ws: expert_ffn(xs, sizes, *ws, gmm_impl, fp8_recipe)  # noqa: E731
+    y = expert_parallel.sorted_dropless(x, r.experts, r.weights, (w_gate, w_up, w_down), ffn)
+    return y, jnp.zeros((), jnp.float32)
 
 
 def capacity_dispatch(x, r: routing.Routing, w_gate, w_up, w_down, factor: float):

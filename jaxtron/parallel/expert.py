@@ -94,6 +94,17 @@ def capacity(tokens: int, k: int, ranks: int, local_experts: int, factor: Option
     return max(1, min(worst, math.ceil(factor * tokens * k / ranks)))
 
 
+OVERLAP_CHUNKS = 2  # ep_overlap's pipeline depth: each chunk's exchange under the other chunk's expert matmuls
+
+
+def exchange_chunks(moe, tokens: int) -> int:
+    """Chunks the all_to_all dispatch pipelines a device's ``tokens`` in (``moe.ep_overlap``), 1 without it
+    or when they do not split evenly (a single decoding token goes in one piece)."""
+    if moe.ep_overlap and moe.ep_dispatch == "all_to_all" and tokens % OVERLAP_CHUNKS == 0:
+        return OVERLAP_CHUNKS
+    return 1
+
+
 def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain: Callable, moe):
     """Routed experts over the ``expert`` axis. x [B, S, D]; experts (ids) and weights (combine weights, fp32)
     [B, S, k]; ``expert_weights``: arrays whose leading axis is the experts (logical ``experts``);
@@ -119,8 +130,8 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     t, k = (x.shape[0] // n_batch) * (x.shape[1] // n_seq), experts.shape[-1]
     local_experts = expert_weights[0].shape[0] // ep
-    overlap = moe.ep_overlap and t % 2 == 0  # a single decoding token per device goes in one piece
-    cap = capacity(t // 2 if overlap else t, k, ep, local_experts, moe.ep_capacity_factor)
+    chunks = exchange_chunks(moe, t)
+    cap = capacity(t // chunks, k, ep, local_experts, moe.ep_capacity_factor)
 
     if not devices_are_cpu():
         # cast before the boundary: FSDP gathers the weights there, and the transpose reduces their gradients,
@@ -133,7 +144,7 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
         elif moe.ep_dispatch == "ragged_all_to_all":
             y, dropped = _ragged_exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, ep * cap)
         else:
-            y, dropped = _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap, overlap)
+            y, dropped = _exchange(x, experts, weights, local_weights, ffn, ep_axes, ep, cap, chunks)
         return y, dropped.reshape(1, 1)
 
     tokens = P(batch or None, seq or None, None)
@@ -145,60 +156,134 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     return y, dropped.sum()
 
 
-def _pack(x, experts, local_experts: int, ep: int, cap: int):
-    """Steps 1-2 of the module doc for tokens x [t, D]: (send buffer [EP*C, D], slot expert ids, each
-    assignment's slot, kept mask), assignments in choice-major order."""
-    t, d = x.shape
-    k = experts.shape[-1]
-    flat = experts.reshape(t, k).T.reshape(-1)                               # all first choices, then second...
-    dest = flat // local_experts
-    onehot = jax.nn.one_hot(dest, ep, dtype=jnp.int32)                       # [k*t, EP]
-    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # place in its rank's queue
-    kept = position < cap
-    slot = jnp.where(kept, dest * cap + position, ep * cap)                  # ep * cap: out of range, dropped
-    send = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(jnp.take(x, jnp.tile(jnp.arange(t), k), axis=0),
-                                                          mode="drop")
-    # the slots' local expert ids; an empty slot gets local_experts, which sorts after every expert's rows
-    ids = jnp.full((ep * cap,), local_experts, jnp.int32).at[slot].set(flat % local_experts, mode="drop")
-    return send, ids, slot, kept
+def _take(src, index):
+    """Rows of ``src`` at ``index`` (any shape); an index past the end reads a row of zeros."""
+    return jnp.take(src, index, axis=0, mode="fill", fill_value=0)
 
 
-def _combine(out, slot, kept, weights, dtype):
-    """Step 5: each assignment's returned row (zeros where dropped) times its routing weight, summed per
-    token; returns ([t, D] in ``dtype``, dropped count)."""
+@jax.custom_vjp
+def gather_rows(src, index, inverse):
+    """out[r] = src[index[r]] (zeros where index[r] >= len(src)): a token permutation by gather. ``inverse``
+    [len(src), m]: for each src row the (up to m) out rows that read it, past len(index) where fewer, so that
+    the gradient is a gather of m rows per src row and their sum, not the scatter-add that ``jnp.take``'s
+    transpose is (on GPUs an atomic scatter over the whole buffer, after zeroing it)."""
+    return _take(src, index)
+
+
+def _gather_rows_fwd(src, index, inverse):
+    return _take(src, index), inverse
+
+
+def _gather_rows_bwd(inverse, g):
+    if inverse.shape[1] == 1:
+        return _take(g, inverse[:, 0]), None, None
+    return jnp.sum(_take(g, inverse), axis=1, dtype=jnp.float32).astype(g.dtype), None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+@jax.custom_vjp
+def combine_rows(src, weights, index, assignment):
+    """out[i] = sum_j weights[i, j] * src[index[i, j]] in fp32, returned in src's dtype: each token's k expert
+    outputs (rows of ``src``; an index past the end reads zeros: a dropped assignment) weighted and summed, a
+    gather fused with its reduction. ``assignment`` [len(src)]: the flat (token-major, i * k + j) assignment
+    whose result each src row holds, t * k for none; the gradient is then a gather too (each row is read by
+    at most one assignment)."""
+    rows = _take(src, index).astype(jnp.float32)                              # [t, k, D], fused into the sum
+    return jnp.sum(rows * weights[..., None], axis=1).astype(src.dtype)
+
+
+def _combine_rows_fwd(src, weights, index, assignment):
+    return combine_rows(src, weights, index, assignment), (src, weights, index, assignment)
+
+
+def _combine_rows_bwd(res, g):
+    src, weights, index, assignment = res
     t, k = weights.shape
-    y = out.at[slot].get(mode="fill", fill_value=0)
-    w = weights.T.reshape(-1)[:, None]                                       # choice-major, as the slots
-    combined = jnp.sum((y.astype(jnp.float32) * w).reshape(k, t, -1), axis=0)
-    return combined.astype(dtype), jnp.sum(~kept).astype(jnp.float32)
+    g = g.astype(jnp.float32)
+    held = assignment < t * k
+    w = jnp.where(held, _take(weights.reshape(-1), assignment), 0.0)
+    d_src = (_take(g, jnp.where(held, assignment // k, t)) * w[:, None]).astype(src.dtype)
+    d_weights = jnp.sum(_take(src, index).astype(jnp.float32) * g[:, None, :], axis=-1)
+    return d_src, d_weights.astype(weights.dtype), None, None
 
 
-def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int, overlap: bool = False):
+combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+
+
+def _inverse(order):
+    """The inverse of the permutation ``order`` (an int scatter of len(order) entries: cheaper than a sort)."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def sorted_dropless(x, experts, weights, local_weights: Sequence, ffn: Callable):
+    """Dropless experts on one device's tokens x [t, D] (experts and weights [t, k]): the t * k assignments
+    sorted by expert, their tokens gathered in that order (one [t * k, D] buffer), the grouped matmuls, and
+    each token's k results gathered back and weighted (:func:`combine_rows`): two gathers forward, two
+    backward, no scatter. Returns [t, D] in x's dtype."""
+    t, k = experts.shape
+    flat = experts.reshape(-1).astype(jnp.int32)                  # assignment a = token a // k, choice a % k
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)     # assignments grouped by expert
+    where = _inverse(order).reshape(t, k)                         # each assignment's row in that order
+    group_sizes = jnp.bincount(flat, length=local_weights[0].shape[0]).astype(jnp.int32)
+    ys = ffn(gather_rows(x, order // k, where), group_sizes, *local_weights).astype(x.dtype)
+    return combine_rows(ys, weights.astype(jnp.float32), where, order)
+
+
+def _pack(experts, local_experts: int, ep: int, cap: int):
+    """Steps 1-2 of the module doc for one device's routing experts [t, k], by a sort (no one-hot or
+    scatter over the buffer): (the token each of the EP*C slots sends, t where empty; each slot's local
+    expert id, ``local_experts`` where empty; the assignment each slot holds, token-major, t * k where empty;
+    each assignment's slot [t, k], EP*C where dropped; dropped count). An assignment's place in its rank's
+    queue counts first choices before second ones, each in token order (choice-major), as before."""
+    t, k = experts.shape
+    n = t * k
+    flat = experts.T.reshape(-1).astype(jnp.int32)                 # choice-major: c = j * t + i
+    dest = flat // local_experts
+    order = jnp.argsort(dest, stable=True).astype(jnp.int32)      # queue order within each rank
+    counts = jnp.bincount(dest, length=ep).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    position = _inverse(order) - starts[dest]                      # place in its rank's queue
+    kept = position < cap
+    slot_of = jnp.where(kept, dest * cap + position, ep * cap).reshape(k, t).T   # [t, k]
+    s = jnp.arange(ep * cap, dtype=jnp.int32)
+    rank, place = s // cap, s % cap
+    filled = place < counts[rank]
+    c = jnp.where(filled, _take(order, starts[rank] + place), n)   # the choice-major assignment in slot s
+    token = jnp.where(filled, c % t, t)
+    assignment = jnp.where(filled, token * k + c // t, n)
+    ids = jnp.where(filled, _take(flat, c) % local_experts, local_experts)
+    return token, ids, assignment, slot_of, jnp.sum(~kept).astype(jnp.float32)
+
+
+def _exchange(x, experts, weights, local_weights, ffn, axes, ep: int, cap: int, chunks: int = 1):
     """One device's tokens x [b, s, D] to their experts' ranks and back (steps 1-5 of the module doc).
 
-    ``overlap``: the tokens in two halves, each with its own buffers of ``cap`` rows per rank, and each
-    exchange tied with ``optimization_barrier`` to the other half's experts (the second half's dispatch to
-    the first half's experts, the first half's return to the second half's), so that XLA's scheduler runs
-    the transfer while those matmuls run instead of waiting for it."""
+    ``chunks`` > 1: the tokens in that many chunks, each with its own buffers of ``cap`` rows per rank,
+    pipelined: chunk i + 1's dispatch exchange is issued before chunk i's experts, and chunk i's return
+    exchange before chunk i + 1's experts, with nothing but data dependencies between them, so XLA's
+    latency-hiding scheduler can run each transfer under the other chunk's expert matmuls (and the backward's
+    transposed exchanges under the backward's)."""
     b, s, d = x.shape
     t = b * s
     local_experts = local_weights[0].shape[0]
     exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731  chunk j <-> rank j
-    run = lambda rows, ids: _run_experts(rows, ids, local_weights, ffn).astype(x.dtype)  # noqa: E731
-    parts = 2 if overlap else 1
-    xs, es, ws = (a.reshape(parts, t // parts, -1) for a in (x, experts, weights))
-    packed = [_pack(xs[i], es[i], local_experts, ep, cap) for i in range(parts)]
-    if overlap:
-        sent = exchange(packed[0][0]), exchange(packed[0][1])
-        second, out_first = jax.lax.optimization_barrier(
-            ((exchange(packed[1][0]), exchange(packed[1][1])), run(*sent)))
-        back_first, out_second = jax.lax.optimization_barrier((exchange(out_first), run(*second)))
-        backs = [back_first, exchange(out_second)]
-    else:
-        backs = [exchange(run(exchange(packed[0][0]), exchange(packed[0][1])))]
-    outs = [_combine(backs[i], packed[i][2], packed[i][3], ws[i], x.dtype) for i in range(parts)]
-    y = jnp.concatenate([o[0] for o in outs]).reshape(b, s, d)
-    return y, sum(o[1] for o in outs)
+    xs, es, ws = (a.reshape(chunks, t // chunks, -1) for a in (x, experts, weights))
+    packed = [_pack(es[i], local_experts, ep, cap) for i in range(chunks)]
+
+    def send(i):
+        token, ids, _a, slot_of, _d = packed[i]
+        return exchange(gather_rows(xs[i], token, slot_of)), exchange(ids)
+
+    received, backs = {0: send(0)}, []
+    for i in range(chunks):
+        if i + 1 < chunks:
+            received[i + 1] = send(i + 1)                           # in flight during chunk i's experts
+        backs.append(exchange(_run_experts(*received.pop(i), local_weights, ffn).astype(x.dtype)))
+    ys = [combine_rows(backs[i], ws[i].astype(jnp.float32), packed[i][3], packed[i][2]) for i in range(chunks)]
+    y = jnp.concatenate(ys).reshape(b, s, d)
+    return y, sum(p[4] for p in packed)
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
@@ -210,21 +295,20 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 def _local(x, experts, weights, local_weights, ffn):
     """Without expert parallelism: one device's tokens x [b, s, D] through every expert (dropless)."""
     b, s, d = x.shape
-    t, k = b * s, experts.shape[-1]
-    rows = jnp.take(x.reshape(t, d), jnp.arange(t * k) // k, axis=0)        # assignment a: token a // k
-    out = _run_experts(rows, experts.reshape(t * k), local_weights, ffn)
-    y = jnp.sum(out.astype(jnp.float32).reshape(t, k, d) * weights.reshape(t, k, 1), axis=1)
-    return y.astype(x.dtype).reshape(b, s, d), jnp.zeros((), jnp.float32)
+    y = sorted_dropless(x.reshape(b * s, d), experts.reshape(b * s, -1), weights.reshape(b * s, -1),
+                        local_weights, ffn)
+    return y.reshape(b, s, d), jnp.zeros((), jnp.float32)
 
 
 def _run_experts(rows, row_ids, local_weights, ffn):
     """Received rows (slot ids: local expert, or ``local_experts`` for an empty slot) through the grouped
-    matmuls, returned in the order they came."""
+    matmuls, returned in the order they came; both permutations are gathers (:func:`gather_rows`)."""
     local_experts = local_weights[0].shape[0]
-    order = jnp.argsort(row_ids, stable=True)
+    order = jnp.argsort(row_ids, stable=True).astype(jnp.int32)
+    back = _inverse(order)
     group_sizes = jnp.bincount(row_ids, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    out = ffn(jnp.take(rows, order, axis=0), group_sizes, *local_weights)  # empty slots: past every group, 0
-    return jnp.take(out, jnp.argsort(order), axis=0)
+    out = ffn(gather_rows(rows, order, back[:, None]), group_sizes, *local_weights)  # empty slots: past the groups, 0
+    return gather_rows(out, back, order[:, None])
 
 
 def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int, rows_max: int):
@@ -238,9 +322,10 @@ def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int, row
     b, s, d = x.shape
     t, k = b * s, experts.shape[-1]
     local_experts = local_weights[0].shape[0]
-    flat = experts.reshape(-1)                                # token-major: assignment i is token i // k
-    order = jnp.argsort(flat, stable=True)                    # by expert, hence by destination rank
-    send = jnp.take(x.reshape(t, d), order // k, axis=0)
+    flat = experts.reshape(-1).astype(jnp.int32)              # token-major: assignment i is token i // k
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # by expert, hence by destination rank
+    where = _inverse(order).reshape(t, k)                     # each assignment's row in the send buffer
+    send = gather_rows(x.reshape(t, d), order // k, where)
     wanted = jnp.bincount(flat // local_experts, length=ep).astype(jnp.int32)
     exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731  entry j <-> rank j
     offered = exchange(wanted)
@@ -256,6 +341,5 @@ def _ragged_exchange(x, experts, weights, local_weights, ffn, axes, ep: int, row
     out = _run_experts(rows, row_ids, local_weights, ffn).astype(x.dtype)
     back = ragged_all_to_all(out, jnp.zeros((t * k, d), x.dtype), recv_offsets, recv_sizes, peer_send_offsets,
                              send_sizes, axis_name=axes)
-    y = jnp.zeros_like(back).at[order].set(back)              # back to token-major assignment order
-    combined = jnp.sum(y.astype(jnp.float32).reshape(t, k, d) * weights.reshape(t, k, 1), axis=1)
-    return combined.astype(x.dtype).reshape(b, s, d), jnp.sum(wanted - send_sizes).astype(jnp.float32)
+    combined = combine_rows(back, weights.reshape(t, k).astype(jnp.float32), where, order)
+    return combined.reshape(b, s, d), jnp.sum(wanted - send_sizes).astype(jnp.float32)

@@ -37,6 +37,7 @@ import math
 import re
 
 from jaxtron.config import Config, gmm_impl
+from jaxtron.plan import hlo
 from jaxtron.parallel.expert import capacity
 from jaxtron.parallel.layout import Layout
 from jaxtron.train.flops import moe_layer_count
