@@ -194,6 +194,9 @@ def test_deepseek_v3_export_refusals_are_one_line():
         (mla_off, None, r"^model\.moe: a DeepSeek-V3-style MoE \(.*\) saves as DeepseekV3ForCausalLM, which needs "
                         r"Multi-head Latent Attention"),
         (mla_off, "DeepseekV3ForCausalLM", r"^model\.mla\.kv_lora_rank: DeepseekV3ForCausalLM needs Multi-head"),
+        (dataclasses.replace(mla_off, moe=MoEConfig(), mtp=dataclasses.replace(cfg.mtp, num_layers=1)), None,
+         r"^model\.mtp\.num_layers: 1 multi-token prediction modules have a Hugging Face spelling only in "
+         r"DeepseekV3ForCausalLM \(with model\.mla\)$"),
     ]
     for c, arch, pattern in cases:
         with pytest.raises(ValueError, match=pattern) as err:

@@ -54,7 +54,10 @@ self_attn.o_proj.weight [d, h*v]                           attention.wo [h, v, d
 
 and its MoE layers use Qwen3-MoE's names plus ``mlp.gate.e_score_correction_bias [E]`` <->
 ``layers.mlp.expert_bias`` (the aux-free bias, model state but no Param; zeros are written for a model without
-one) and ``mlp.shared_experts.{gate,up,down}_proj.weight`` <-> ``layers.mlp.shared.{w_gate,w_up,w_down}``.
+one) and ``mlp.shared_experts.{gate,up,down}_proj.weight`` <-> ``layers.mlp.shared.{w_gate,w_up,w_down}``. Its
+multi-token prediction modules (``model.mtp``) are HF layers ``num_hidden_layers + j``: their own weights named by
+:mod:`jaxtron.convert.hf.mtp`, their decoder layer mapped as a main layer of the model's last kind onto
+``mtp.block``; export also writes the MTP layers' copies of the embedding and LM head, import skips them.
 
 RoPE. jaxtron rotates halves (x_k with x_{k+r/2}), as Hugging Face's Llama family, so their q/k weights need no
 permutation. DeepSeek's checkpoints rotate interleaved pairs (x_{2i} with x_{2i+1}; transformers'
