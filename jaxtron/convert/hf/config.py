@@ -179,8 +179,9 @@ def config_from_hf(hf_config: Mapping, source: str = CONFIG_NAME) -> ModelConfig
 
 def _mla_from_hf(hf: Mapping, source: str) -> tuple[MLAConfig, MTPConfig]:
     """DeepSeek-V3's attention widths and MTP depth. A q_lora_rank of null (or 0) projects queries from the
-    hidden state directly. ``num_nextn_predict_layers`` is the depth the config announces; :func:`load` drops it
-    when the checkpoint holds no MTP weights (transformers' ``save_pretrained`` writes none)."""
+    hidden state directly. ``num_nextn_predict_layers`` is the depth the config announces;
+    :func:`jaxtron.convert.hf.folder_config` drops it when the checkpoint holds no MTP weights (transformers'
+    ``save_pretrained`` writes none)."""
     rope = int(_get(hf, "qk_rope_head_dim", source))
     if rope % 2:
         raise ValueError(f"{source}: qk_rope_head_dim={rope} must be even for RoPE")
