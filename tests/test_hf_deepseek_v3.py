@@ -202,3 +202,19 @@ def test_deepseek_v3_export_refusals_are_one_line():
         with pytest.raises(ValueError, match=pattern) as err:
             hf.config_to_hf(c, arch)
         assert "\n" not in str(err.value)
+
+
+def test_bfloat16_export_keeps_the_routers_in_float32(tmp_path):
+    """A bf16 export keeps DeepSeek-V3's router weights and aux-free biases in fp32 (as transformers does: a
+    rounded score or bias changes which experts a token picks), so they come back bit for bit."""
+    model = _jaxtron_deepseek_v3()
+    hf.save(model, str(tmp_path), dtype="bfloat16")
+    files = hf.SafetensorsFiles(str(tmp_path))
+    routers = {n for n in files if n.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))}
+    assert len(routers) == 2 * (LAYERS - 1)
+    assert {str(files[n].dtype) for n in routers} == {"float32"}
+    assert {str(files[n].dtype) for n in files if n not in routers} == {"bfloat16"}
+    _, model2 = hf.load(str(tmp_path), dtype="float32")
+    for key in ("router", "expert_bias"):
+        np.testing.assert_array_equal(np.asarray(getattr(model2.layers.mlp, key)[...]),
+                                      np.asarray(getattr(model.layers.mlp, key)[...]))

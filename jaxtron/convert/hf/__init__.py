@@ -27,7 +27,7 @@ from jaxtron.convert.hf import files
 from jaxtron.convert.hf.config import (ARCHITECTURES, CONFIG_NAME, MODEL_TYPES, config_from_hf, config_to_hf,
                                       read_config, rope_interleaved)
 from jaxtron.convert.hf.files import INDEX_NAME, WEIGHTS_NAME, SafetensorsFiles
-from jaxtron.convert.hf.weights import params_from_hf, params_to_hf
+from jaxtron.convert.hf.weights import fp32_names, params_from_hf, params_to_hf
 from jaxtron.convert.model_tree import abstract_model, model_from_params
 from jaxtron.model.llama import Llama
 from jaxtron.model.routing import ExpertBias
@@ -77,7 +77,8 @@ def save(model: Llama, hf_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: 
     ``transformers.AutoModelForCausalLM.from_pretrained(hf_dir)`` loads.
 
     Weights are stored in ``dtype`` (default: the model's ``param_dtype``); above ``max_shard_bytes`` they
-    are split into ``model-0000k-of-0000n.safetensors`` with a ``model.safetensors.index.json``. Existing
+    are split into ``model-0000k-of-0000n.safetensors`` with a ``model.safetensors.index.json``; DeepSeek-V3's
+    router weights and biases stay float32 (:func:`jaxtron.convert.hf.weights.fp32_names`). Existing
     weight files of those names in ``hf_dir`` are replaced. ``extra_config`` is merged into config.json
     (e.g. ``bos_token_id``/``eos_token_id``). See :func:`config_to_hf` for the other args."""
     cfg: ModelConfig = model.cfg
@@ -90,4 +91,4 @@ def save(model: Llama, hf_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: 
     os.makedirs(hf_dir, exist_ok=True)
     with open(os.path.join(hf_dir, CONFIG_NAME), "w") as f:
         json.dump(hf_config, f, indent=2)
-    files.write(tensors, hf_dir, max_shard_bytes, out_dtype)
+    files.write(tensors, hf_dir, max_shard_bytes, out_dtype, keep_fp32=fp32_names(cfg, tensors))

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Iterator
 
 import ml_dtypes
@@ -133,16 +133,18 @@ def _umask() -> int:
     return mask
 
 
-def write(tensors: Mapping[str, np.ndarray], hf_dir: str, max_shard_bytes: int, dtype: np.dtype) -> None:
-    """Write ``tensors`` in ``dtype`` as ``model.safetensors``, or above ``max_shard_bytes`` as shards with an
-    index, replacing the weight files an earlier save left in ``hf_dir``."""
+def write(tensors: Mapping[str, np.ndarray], hf_dir: str, max_shard_bytes: int, dtype: np.dtype,
+          keep_fp32: Collection[str] = ()) -> None:
+    """Write ``tensors`` in ``dtype`` (those named in ``keep_fp32`` in float32) as ``model.safetensors``, or
+    above ``max_shard_bytes`` as shards with an index, replacing the weight files an earlier save left in
+    ``hf_dir``."""
     shards = plan_shards(tensors, max_shard_bytes, dtype.itemsize)
     os.makedirs(hf_dir, exist_ok=True)
     remove_old_weights(hf_dir)
     weight_map, total = {}, 0
     for k, names in enumerate(shards):
         fname = WEIGHTS_NAME if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        chunk = {n: np.ascontiguousarray(tensors[n], dtype=dtype) for n in names}
+        chunk = {n: np.ascontiguousarray(tensors[n], dtype=np.float32 if n in keep_fp32 else dtype) for n in names}
         save_file(chunk, os.path.join(hf_dir, fname), metadata={"format": "pt"})
         os.chmod(os.path.join(hf_dir, fname), 0o666 & ~_umask())  # safetensors writes 0600; the rest are 0666-umask
         total += sum(a.nbytes for a in chunk.values())

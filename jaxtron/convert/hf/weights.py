@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -330,6 +330,15 @@ def params_to_hf(cfg: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
     for name in mtp.mtp_shared_copy_names(cfg.num_layers, cfg.mtp.num_layers):
         out[name] = out["model.embed_tokens.weight"] if name.endswith("embed_tokens.weight") else head
     return out
+
+
+def fp32_names(cfg: ModelConfig, names: Iterable[str]) -> set[str]:
+    """The tensors of ``names`` a checkpoint keeps in float32 whatever its dtype: DeepSeek-V3's routers (gate
+    weight and aux-free bias), which transformers keeps in fp32 (``_keep_in_fp32_modules_strict``) because a
+    rounded score or bias changes which experts a token picks."""
+    if not cfg.mla.kv_lora_rank:
+        return set()
+    return {n for n in names if n.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))}
 
 
 def _where(tensors: Mapping, name: Optional[str] = None) -> str:
