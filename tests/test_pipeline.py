@@ -27,6 +27,8 @@ S2_F2_T2 = ("parallel.stage=2", "parallel.fsdp=2", "parallel.tensor=2", "paralle
 S8 = ("parallel.stage=8", "parallel.data=1")
 S2_F2_T2_ONCE = S2_F2_T2 + ("parallel.pipeline_fsdp_gather_once=true",)  # weights gathered once per step
 S2_F2_T2_UNROLLED = S2_F2_T2 + ("model.remat=full", "model.scan_unroll=2")  # a stage's 4 layers, 2 per iteration
+S2_T2_D2_FULL = S2_T2_D2 + ("model.remat=full",)  # kept residuals are the block inputs; the blocks recompute
+S2_F2_T2_RECOMPUTE = S2_F2_T2 + ("parallel.pipeline_recompute=true",)  # the stage forward again in the backward
 
 # (schedule, layout, virtual stages, layers, micro batches)
 CASES = [  # every schedule with tensor x data and with tensor x fsdp; circular on every layout but stage 8
@@ -36,6 +38,7 @@ CASES = [  # every schedule with tensor x data and with tensor x fsdp; circular 
     ("1f1b", S8, 1, 8, 4),
     ("circular", S2_F2_T2_ONCE, 2, 8, 4),
     ("gpipe", S2_F2_T2_UNROLLED, 1, 8, 4),
+    ("1f1b", S2_T2_D2_FULL, 1, 8, 4), ("1f1b", S2_F2_T2_RECOMPUTE, 1, 8, 4), ("gpipe", S2_F2_T2_RECOMPUTE, 1, 8, 4),
 ]
 
 
@@ -66,6 +69,7 @@ def reference(layers: int, micro_batches: int):
 
 @pytest.mark.parametrize("schedule,layout,virtual,layers,micro_batches", CASES,
                          ids=[f"{c[0]}-" + "-".join(x.split(".")[1].replace("=", "").replace("pipeline_fsdp_gather_oncetrue", "once")
+                                                .replace("pipeline_recomputetrue", "recompute")
                                                 for x in c[1])
                               + (f"-virtual{c[2]}" if c[2] > 1 else "") for c in CASES])
 def test_pipeline_equals_single_device(schedule, layout, virtual, layers, micro_batches):

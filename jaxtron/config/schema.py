@@ -217,7 +217,7 @@ class ParallelConfig:
                        "over 'stage'; data, FSDP and tensor parallelism work inside each stage).")
     pipeline_schedule: str = _f("1f1b", "With stage > 1: '1f1b' (one forward and one backward per tick, "
                                         "activation memory flat in the number of micro batches), 'gpipe' "
-                                        "(fill-drain, gradients through the loop with remat) or 'circular' "
+                                        "(fill-drain, gradients through the loop) or 'circular' "
                                         "(interleaved virtual stages, see virtual_stages).")
     virtual_stages: int = _f(1, "circular schedule: layer chunks per device (Megatron's virtual pipeline); "
                                 "the bubble shrinks from (S-1)/(M+S-1) to (S-1)/(V*M+S-1).")
@@ -226,6 +226,11 @@ class ParallelConfig:
                                                 "once) instead of in every pipeline tick. Faster; costs the "
                                                 "stage's unsharded weights and gradients in memory per device "
                                                 "(MaxText's pipeline_fsdp_ag_once).")
+    pipeline_recompute: bool = _f(False, "With stage > 1: run each stage's forward again in its backward, keeping "
+                                         "only the stage input per micro batch in flight (the least activation "
+                                         "memory). false: keep the stage's VJP residuals (what model.remat "
+                                         "saves) per micro batch in flight and run no forward twice "
+                                         "(docs/parallelism.md: memory per schedule).")
     sequence_parallel: bool = _f(False, "Shard the sequence axis of norm/residual activations over 'tensor'.")
     tp_comm_overlap: bool = _f(False, "With tensor > 1 and sequence_parallel: collective matmul (Megatron's TP "
                                       "comm overlap). The all-gather of the sequence before a column-parallel "

@@ -287,7 +287,7 @@ class Layout:
         p = self.parallel
         schedule = "gpipe" if for_eval and p.pipeline_schedule == "1f1b" else p.pipeline_schedule
         return PipelineSpec(self.stages, self.accumulation_steps, schedule, p.virtual_stages,
-                            p.pipeline_fsdp_gather_once)
+                            p.pipeline_fsdp_gather_once, p.pipeline_recompute)
 
     # ------------------------------------------------------------------------ collectives (the planner)
     def axes_of_group(self, logical_ids: Sequence[int]) -> tuple[str, ...]:

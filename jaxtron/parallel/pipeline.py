@@ -14,18 +14,26 @@ where ``stacked`` holds the leaves with a leading ``layers`` axis, ``shared`` th
 head) and ``mb`` one micro batch (a dict of [micro_batch, seq] arrays). Schedules (S stages, M micro batches,
 V virtual stages):
 
-* ``gpipe``: fill-drain over M + S - 1 ticks; gradients by differentiating the loop, each tick's stage call
-  rematerialized, so what is kept per tick is the stage input. Bubble (S-1)/(M+S-1).
+* ``gpipe``: fill-drain over M + S - 1 ticks; gradients by differentiating the loop. Bubble (S-1)/(M+S-1).
 * ``circular``: each device holds V non-adjacent chunks (device s runs chunks s, s+S, ...; Megatron's virtual
   pipeline, MaxText's circular pipeline); micro batches loop around the ring V times over V*M + S - 1 ticks.
   Bubble (S-1)/(V*M+S-1). The stacked weights are stored in layer order, contiguous per stage, so the step
   regroups them (one all-to-all of the layer weights, and of their gradients, per step).
 * ``1f1b``: one forward and one backward per tick in one program (M + 2S - 2 ticks). The loop is not
-  differentiated: each tick a stage runs the forward of micro batch t - s (saving its input in a ring of 2S
-  slots) and the backward of micro batch t - (2S - 2 - s) (``jax.vjp`` of the stage on the saved input, i.e.
-  recomputed, applied to the cotangent from the next stage; the last stage differentiates the loss after its
-  layers, the first one the embedding before them); activations move forward and cotangents backward with
+  differentiated: each tick a stage runs the forward of micro batch t - s and the backward of micro batch
+  t - (2S - 2 - s), applied to the cotangent from the next stage (the last stage differentiates the loss after
+  its layers, the first one the embedding before them); activations move forward and cotangents backward with
   ``ppermute``, weight gradients accumulate in the carry. Activation memory is flat in M. Bubble (S-1)/(M+S-1).
+
+No stage forward runs twice (``parallel.pipeline_recompute=false``, the default): the backward of a micro batch
+applies the VJP residuals its forward kept, which are what ``model.remat`` saves inside the stage (everything
+under ``none``, the block inputs under ``full``; :mod:`jaxtron.parallel.residuals`). 1f1b keeps them in a ring of
+2S - 1 slots (:func:`one_f_one_b_slots`); gpipe's differentiated loop keeps them per tick (M + S - 1). circular
+still recomputes (its chunk index changes per tick, which would make the weights' casts residuals of every
+tick). With ``parallel.pipeline_recompute=true`` a stage keeps only its input per micro batch and runs its
+forward again in the backward (1f1b: a ring of 2S inputs and ``jax.vjp`` again; gpipe/circular: each tick
+under ``jax.checkpoint``): the least memory, one more stage forward per micro batch (4/3 of the model's matmul
+FLOPs under ``remat=none``). The kept bytes are logged when the step is traced (:func:`_log_memory`).
 
 In ``gpipe``/``circular`` the embedding runs before the pipelined region and the loss after it, spread over the
 stages (micro batches split over ``stage`` when S divides M); the loss head's gradient is taken in the same loop
@@ -39,6 +47,7 @@ because the backward of a micro batch starts as soon as its forward leaves the l
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,9 +57,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtron.parallel.axes import CONTEXT, FSDP, STAGE
+from jaxtron.parallel.residuals import KeptVJP
 from jaxtron.parallel.sharding import use_rules
 
 AXIS = STAGE  # the axis the pipelined region is manual over
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,7 @@ class PipelineSpec:
     schedule: str = "1f1b"      # '1f1b' | 'gpipe' | 'circular'
     virtual_stages: int = 1     # circular only
     gather_fsdp: bool = False   # gather the stage's weights over 'fsdp' once per step, not per tick
+    recompute: bool = False     # keep only each tick's stage input and run the stage's forward again in its backward
 
     @property
     def chunks_per_device(self) -> int:
@@ -69,6 +81,27 @@ class PipelineSpec:
     def ticks(self) -> int:
         s, m, v = self.stages, self.micro_batches, self.chunks_per_device
         return m + 2 * s - 2 if self.schedule == "1f1b" else v * m + s - 1
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction: (S-1)/(V*M+S-1) (V = 1 but for circular; 1f1b's fill and drain ticks run only a
+        forward or only a backward, so its M + 2S - 2 ticks last as long as M + S - 1 full ones)."""
+        s, m, v = self.stages, self.micro_batches, self.chunks_per_device
+        return (s - 1) / (v * m + s - 1)
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def _log_memory(spec: PipelineSpec, slots: int, slot_bytes: int, what: str) -> None:
+    """The activation memory the schedule keeps between a micro batch's forward and backward, logged when the
+    step is traced (at start-up). Sizes are per stage: a stage's data, FSDP and tensor devices split them."""
+    mib = 2.0 ** 20
+    log.info("pipeline %s: %d stages, %d micro batches, bubble %.1f%%; keeps %s of %d micro batches per stage: "
+             "%d x %.2f MiB = %.1f MiB (split over the stage's devices)%s", spec.schedule, spec.stages,
+             spec.micro_batches, 100 * spec.bubble, what, slots, slots, slot_bytes / mib, slots * slot_bytes / mib,
+             "; parallel.pipeline_recompute runs each stage forward twice" if spec.recompute else "")
 
 
 # ------------------------------------------------------------------------------------------------ layout
@@ -155,6 +188,26 @@ def _layer_order(report: Any) -> Any:
     return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), report)
 
 
+def _plain_chunk(stage: Callable, micro: dict, act_dtype) -> Callable:
+    """One tick of one stage without recomputation (one chunk per device): ``run(local, v, x, m, valid, no_side)
+    -> (y, side)``, differentiated as it stands, so autodiff of the tick loop keeps the stage's residuals per
+    tick (what ``model.remat`` saves) and runs no stage forward twice.
+
+    Two things keep the stage's weights out of the per-tick residuals: the chunk is ``local[0]`` (a static
+    index: with a tick-dependent one the weights' bf16 casts would be residuals of every tick), and fill and
+    drain ticks run the stage too, their result dropped by a select rather than skipped by a ``cond`` (whose
+    residuals are its outputs, so tick-dependent). Running them costs no time: in those ticks the other stages
+    are busy, and a tick lasts as long as the busiest stage. The weight-only residuals are then loop
+    invariants that autodiff of the scan hoists out of the loop (once per step, not once per tick)."""
+
+    def run(local, v, x, m, valid, no_side):
+        y, (obj, report) = stage(jax.tree.map(lambda a: a[0], local), x.astype(act_dtype), _index(micro, m))
+        keep = lambda a, b: jnp.where(valid, a, b)
+        return keep(y.astype(x.dtype), x), jax.tree.map(keep, (obj, report), no_side)
+
+    return run
+
+
 def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chunks: Any, xs: jax.Array,
                      micro: dict, act_dtype):
     """Run the stage loop on embedded micro batches xs [M, mb, seq, d]: the last chunk's outputs [M, ...],
@@ -164,10 +217,11 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
     split_out = M % S == 0
 
     @jax.checkpoint
-    def run_chunk(local, v, x, m, valid, no_side):
-        """One tick of one stage, rematerialized (the backward keeps only the stage input per tick). Fill and
-        drain ticks skip the stage: the cond sits inside the checkpoint, so its operands (the stage weights)
-        are not residuals of every tick (measured: no change in temp memory at M = 64)."""
+    def recomputed_chunk(local, v, x, m, valid, no_side):
+        """One tick of one stage under ``parallel.pipeline_recompute``, rematerialized (the backward keeps only
+        the stage input per tick). Fill and drain ticks skip the stage: the cond sits inside the checkpoint, so
+        its operands (the stage weights) are not residuals of every tick (measured: no change in temp memory at
+        M = 64)."""
         def run():
             y, side = stage(_index(local, v), x.astype(act_dtype), _index(micro, m))
             return y.astype(x.dtype), side
@@ -178,6 +232,14 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
         s = lax.axis_index(AXIS)
         ring = [(j, (j + 1) % S) for j in range(S)]
         no_side, report0 = _side_zeros(stage, _index(local, 0), xs[0].astype(act_dtype), _index(micro, 0), S * V)
+        if spec.recompute or V > 1:
+            run_chunk = recomputed_chunk
+            _log_memory(spec, spec.ticks, _nbytes(xs[0]), "the stage inputs (every tick's)")
+        else:
+            run_chunk = _plain_chunk(stage, micro, act_dtype)
+            kept = KeptVJP(lambda p, x, m: (lambda y, side: ((y, side[0]), side[1]))(*stage(p, x, _index(micro, m))),
+                           _index(local, 0), xs[0].astype(act_dtype), jnp.zeros((), jnp.int32))
+            _log_memory(spec, spec.ticks, kept.kept_bytes(), "the stage's VJP residuals (every tick's)")
 
         def tick(carry, t):
             cur, loop_buf, outs, obj, report = carry
@@ -299,60 +361,22 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
 def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
                  stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable):
     S, M = spec.stages, spec.micro_batches
-    R = 2 * S  # ring slots: a stage holds at most 2(S-1-s)+1 inputs between their forward and backward
     chunks = _chunked(stacked, stacked_specs, spec, mesh)
     mb0 = _index(micro, 0)
     x_aval = jax.eval_shape(pre, shared, mb0)
     aux_aval = jax.eval_shape(lambda: post(shared, jnp.zeros(x_aval.shape, x_aval.dtype), mb0)[1])
+    tick_fn = _recomputing_tick if spec.recompute else _kept_tick
 
     def body(chunks, shared, micro):
         local = jax.tree.map(lambda a: a[0, 0], chunks)                    # [Lc, ...]
         s = lax.axis_index(AXIS)
-        is_first, is_last = s == 0, s == S - 1
         zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
         zero_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_aval)
         _, report0 = _side_zeros(stage, local, zeros_x, _index(micro, 0), S)
-
-        def f(params, x_in, m):
-            """This stage's part of micro batch m: ((output, loss), (aux, report)); the loss is the stage's
-            objective term, plus the post's loss on the last stage."""
-            local, shared = params
-            mb = _index(micro, m)
-            x0 = lax.cond(is_first, lambda: pre(shared, mb), lambda: x_in)
-            y, (obj, report) = stage(local, x0, mb)
-            loss, aux = lax.cond(is_last, lambda: post(shared, y, mb),
-                                 lambda: (jnp.zeros((), jnp.float32), zero_aux))
-            return (y, loss + obj), (aux, report)
-
-        def tick(carry, t):
-            fwd_in, bwd_in, ring, grads, (sums, report) = carry
-            m_f = t - s
-            valid_f = (m_f >= 0) & (m_f < M)
-            mf = jnp.clip(m_f, 0, M - 1)
-            ring = ring.at[mf % R].set(jnp.where(valid_f, fwd_in, ring[mf % R]))
-            # The last stage's forward is recomputed by its backward in this same tick.
-            y = lax.cond(valid_f & ~is_last, lambda: f((local, shared), fwd_in, mf)[0][0], lambda: zeros_x)
-
-            m_b = t - (2 * S - 2 - s)
-            valid_b = (m_b >= 0) & (m_b < M)
-            mb_i = jnp.clip(m_b, 0, M - 1)
-
-            def backward(grads, sums):
-                (_, loss), vjp, (aux, rep) = jax.vjp(lambda p, x: f(p, x, mb_i), (local, shared),
-                                                     ring[mb_i % R], has_aux=True)
-                dy = jnp.where(is_last, jnp.zeros_like(bwd_in), bwd_in)
-                dparams, dx = vjp((dy, jnp.ones((), loss.dtype)))
-                grads = accumulate(grads, jax.tree.map(lambda g, d: d.astype(g.dtype), grads, dparams))
-                report = jax.tree.map(lambda r, a: r.at[s].add(a), sums[1], rep)
-                return grads, (jax.tree.map(jnp.add, sums[0], aux), report), dx
-
-            grads, sums, dx = lax.cond(valid_b, backward, lambda g, a: (g, a, zeros_x), grads, (sums, report))
-            fwd_next = lax.ppermute(y, AXIS, [(j, j + 1) for j in range(S - 1)])
-            bwd_next = lax.ppermute(dx, AXIS, [(j, j - 1) for j in range(1, S)])
-            return (fwd_next, bwd_next, ring, grads, sums), None
-
+        ctx = _TickContext(spec, pre, stage, post, local, shared, micro, s, zeros_x, zero_aux, accumulate)
+        tick, ring0 = tick_fn(ctx)
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (local, shared))
-        carry = (zeros_x, zeros_x, jnp.zeros((R,) + zeros_x.shape, zeros_x.dtype), grads0, (zero_aux, report0))
+        carry = (zeros_x, zeros_x, ring0, grads0, (zero_aux, report0))
         (_, _, _, (g_local, g_shared), sums), _ = lax.scan(tick, carry, jnp.arange(spec.ticks))
         g_shared = lax.psum(g_shared, AXIS)   # embedding grads live on the first stage, head grads on the last
         sums = lax.psum(sums, AXIS)           # the loss's sums from the last stage, each stage's own report
@@ -363,6 +387,165 @@ def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
                     (_stage_specs(chunks), _replicated(shared), P()))
     g_chunks, g_shared, (sums, report) = fn(chunks, shared, micro)
     return (sums, _layer_order(report)), (_unchunked(g_chunks, spec), g_shared)
+
+
+@dataclass(frozen=True)
+class _TickContext:
+    """What a 1f1b tick closes over, inside the shard_map body (``s``: this device's stage index)."""
+    spec: PipelineSpec
+    pre: Callable
+    stage: Callable
+    post: Callable
+    local: Any
+    shared: Any
+    micro: dict
+    s: Any
+    zeros_x: jax.Array
+    zero_aux: Any
+    accumulate: Callable
+
+    def add_grads(self, grads, d):
+        return self.accumulate(grads, jax.tree.map(lambda g, x: x.astype(g.dtype), grads, d))
+
+    def send(self, y, dx):
+        """Activations one stage on, cotangents one stage back (the ends send nothing)."""
+        S = self.spec.stages
+        return (lax.ppermute(y, AXIS, [(j, j + 1) for j in range(S - 1)]),
+                lax.ppermute(dx, AXIS, [(j, j - 1) for j in range(1, S)]))
+
+
+def one_f_one_b_slots(stages: int) -> int:
+    """Ring slots for the micro batches a stage holds between its forward and backward under 1f1b: stage s runs
+    the forward of micro batch m at tick m + s and its backward at tick m + 2S - 2 - s, so it holds
+    2(S - 1 - s) + 1 micro batches (the one written this tick included); stage 0 holds the most, 2S - 1. (In
+    Megatron's 1F1B, whose ticks are one forward or one backward, stage 0 holds S: here a tick runs both, so a
+    micro batch's round trip through the stages takes 2S - 2 ticks of one forward each.)"""
+    return 2 * stages - 1
+
+
+def _kept_tick(c: _TickContext):
+    """The 1f1b tick that keeps the stage's VJP residuals: each forward tick runs ``jax.vjp`` of the embedding (on
+    the first stage) and the stage's layers and keeps the residuals that depend on the micro batch in a ring
+    slot; the backward tick applies them to the cotangent (the last stage first differentiates the post, on
+    the output of its forward in the same tick). No stage forward runs twice."""
+    S, M = c.spec.stages, c.spec.micro_batches
+    R = one_f_one_b_slots(S)
+    is_first, is_last = c.s == 0, c.s == S - 1
+
+    def f(params, x_in, m):
+        """The stage's part before the loss: ((output, objective term), report)."""
+        local, shared = params
+        mb = _index(c.micro, m)
+        x0 = lax.cond(is_first, lambda: c.pre(shared, mb), lambda: x_in)
+        y, (obj, report) = c.stage(local, x0, mb)
+        return (y, obj), report
+
+    params = (c.local, c.shared)
+    kept = KeptVJP(f, params, c.zeros_x, jnp.zeros((), jnp.int32))
+    obj_dtype = jax.eval_shape(f, params, c.zeros_x, 0)[0][1].dtype
+    _log_memory(c.spec, R, kept.kept_bytes(), "the stage's VJP residuals")
+    ring0 = tuple(jnp.zeros((R,) + a.shape, a.dtype) for a in kept.kept_shapes)
+
+    def tick(carry, t):
+        fwd_in, bwd_in, ring, grads, (sums, report) = carry
+        m_f = t - c.s
+        valid_f = (m_f >= 0) & (m_f < M)
+        mf = jnp.clip(m_f, 0, M - 1)
+
+        def forward():
+            (y, _), rep, res = kept.forward(params, fwd_in, mf)
+            return y, rep, res
+
+        def skip_forward():
+            return c.zeros_x, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), report), \
+                tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
+
+        y, rep, res = lax.cond(valid_f, forward, skip_forward)
+        report = jax.tree.map(lambda r, a: r.at[c.s].add(a), report, rep)
+        # Slot m_f mod R, m_f unclipped: outside [0, M) it holds no live micro batch (before this stage's first
+        # forward, or after micro batch m_f - R, whose backward ran 2S - 2 - 2s < R ticks after its forward), so
+        # the zeros a skipped tick writes there are harmless and no select over the slot is needed.
+        slot_f = jnp.mod(m_f, R)
+        ring = tuple(lax.dynamic_update_index_in_dim(r, a, slot_f, 0) for r, a in zip(ring, res))
+
+        m_b = t - (2 * S - 2 - c.s)
+        valid_b = (m_b >= 0) & (m_b < M)
+        mb_i = jnp.clip(m_b, 0, M - 1)
+
+        def backward(grads, sums):
+            mb = _index(c.micro, mb_i)
+
+            def head():  # the last stage's backward starts at the loss, on its own forward of this tick
+                loss, pull, aux = jax.vjp(lambda sh, y: c.post(sh, y, mb), c.shared, y, has_aux=True)
+                d_shared, dy = pull(jnp.ones((), loss.dtype))
+                return dy, d_shared, aux
+
+            def from_next():
+                return bwd_in, jax.tree.map(jnp.zeros_like, c.shared), c.zero_aux
+
+            dy, d_post, aux = lax.cond(is_last, head, from_next)
+            slot = tuple(lax.dynamic_index_in_dim(r, jnp.mod(mb_i, R), 0, keepdims=False) for r in ring)
+            (d_local, d_shared), dx = kept.backward(params, slot, mb_i, (dy, jnp.ones((), obj_dtype)))
+            d_shared = jax.tree.map(jnp.add, d_shared, d_post)
+            grads = c.add_grads(grads, (d_local, d_shared))
+            return grads, jax.tree.map(jnp.add, sums, aux), dx
+
+        grads, sums, dx = lax.cond(valid_b, backward, lambda g, a: (g, a, c.zeros_x), grads, sums)
+        fwd_next, bwd_next = c.send(y, dx)
+        return (fwd_next, bwd_next, ring, grads, (sums, report)), None
+
+    return tick, ring0
+
+
+def _recomputing_tick(c: _TickContext):
+    """The 1f1b tick of ``parallel.pipeline_recompute``: a forward tick keeps only the stage's input (a ring of 2S
+    slots), the backward tick runs ``jax.vjp`` of the stage on it again. The least activation memory, one
+    stage forward more per micro batch."""
+    S, M = c.spec.stages, c.spec.micro_batches
+    R = 2 * S  # a stage holds at most 2(S-1-s)+1 inputs between their forward and backward
+    is_first, is_last = c.s == 0, c.s == S - 1
+    ring0 = jnp.zeros((R,) + c.zeros_x.shape, c.zeros_x.dtype)
+    _log_memory(c.spec, R, _nbytes(c.zeros_x), "the stage inputs (and one micro batch's residuals while its "
+                "backward runs)")
+
+    def f(params, x_in, m):
+        """This stage's part of micro batch m: ((output, loss), (aux, report)); the loss is the stage's objective
+        term, plus the post's loss on the last stage."""
+        local, shared = params
+        mb = _index(c.micro, m)
+        x0 = lax.cond(is_first, lambda: c.pre(shared, mb), lambda: x_in)
+        y, (obj, report) = c.stage(local, x0, mb)
+        loss, aux = lax.cond(is_last, lambda: c.post(shared, y, mb),
+                             lambda: (jnp.zeros((), jnp.float32), c.zero_aux))
+        return (y, loss + obj), (aux, report)
+
+    def tick(carry, t):
+        fwd_in, bwd_in, ring, grads, (sums, report) = carry
+        m_f = t - c.s
+        valid_f = (m_f >= 0) & (m_f < M)
+        mf = jnp.clip(m_f, 0, M - 1)
+        ring = ring.at[mf % R].set(jnp.where(valid_f, fwd_in, ring[mf % R]))
+        # The last stage's forward is recomputed by its backward in this same tick.
+        y = lax.cond(valid_f & ~is_last, lambda: f((c.local, c.shared), fwd_in, mf)[0][0], lambda: c.zeros_x)
+
+        m_b = t - (2 * S - 2 - c.s)
+        valid_b = (m_b >= 0) & (m_b < M)
+        mb_i = jnp.clip(m_b, 0, M - 1)
+
+        def backward(grads, sums):
+            (_, loss), vjp, (aux, rep) = jax.vjp(lambda p, x: f(p, x, mb_i), (c.local, c.shared),
+                                                 ring[mb_i % R], has_aux=True)
+            dy = jnp.where(is_last, jnp.zeros_like(bwd_in), bwd_in)
+            dparams, dx = vjp((dy, jnp.ones((), loss.dtype)))
+            grads = c.add_grads(grads, dparams)
+            report = jax.tree.map(lambda r, a: r.at[c.s].add(a), sums[1], rep)
+            return grads, (jax.tree.map(jnp.add, sums[0], aux), report), dx
+
+        grads, sums, dx = lax.cond(valid_b, backward, lambda g, a: (g, a, c.zeros_x), grads, (sums, report))
+        fwd_next, bwd_next = c.send(y, dx)
+        return (fwd_next, bwd_next, ring, grads, sums), None
+
+    return tick, ring0
 
 
 # ----------------------------------------------------------------------------------------------- public
