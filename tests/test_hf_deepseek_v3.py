@@ -137,6 +137,11 @@ def test_deepseek_v3_jaxtron_to_hf_round_trip(q_lora, aux_free_bias, tie, mtp, t
     if not aux_free_bias:
         expected["layers"]["mlp"]["expert_bias"] = np.zeros((LAYERS - 1, EXPERTS), np.float32)
     jax.tree.map(np.testing.assert_array_equal, _weights(model2), expected)
+    if aux_free_bias:  # a checkpoint whose bias routes cannot load into a model without one
+        with pytest.raises(ValueError, match=r"e_score_correction_bias is non-zero but model\.moe\.aux_free_bias is "
+                                             r"false \(the model would pick other experts\); set it true$"):
+            hf.params_from_hf(dataclasses.replace(cfg2, moe=dataclasses.replace(cfg2.moe, aux_free_bias=False)),
+                              hf.SafetensorsFiles(str(tmp_path)))
 
 
 def test_imported_deepseek_v3_greedy_generation_matches_transformers(tmp_path):

@@ -406,6 +406,10 @@ def _iter_params_from_hf(cfg: ModelConfig, tensors: Mapping, abstract: nnx.State
     after checking names and shapes of the whole checkpoint."""
     shapes = nnx.to_pure_dict(abstract)
     _check_hf_tensors(cfg, tensors, shapes, rope_interleave)
+    for name in _absent_biases(cfg):  # a model without the bias may drop zeros, never a bias that routes
+        if name in tensors and np.any(np.asarray(tensors[name])):
+            raise ValueError(f"{_where(tensors, name)}: tensor {name} is non-zero but model.moe.aux_free_bias is "
+                             f"false (the model would pick other experts); set it true")
     dtype = np.dtype(jnp.dtype(cfg.param_dtype))
     by_path: dict[tuple[str, ...], list[_Spec]] = {}
     for spec in _specs(cfg, rope_interleave):  # a jaxtron weight may be filled from several HF pieces
