@@ -64,7 +64,8 @@ def _reference_objective(model, batch, depth: int, coef: float):
     return (main + coef * mtp) / n, mtp / n
 
 
-@pytest.mark.parametrize("depth,chunk", [(1, 0), (2, 0), (2, 8)])
+@pytest.mark.parametrize("depth,chunk", [pytest.param(1, 0, marks=pytest.mark.slow), (2, 0),
+                                         pytest.param(2, 8, marks=pytest.mark.slow)])
 def test_mtp_loss_and_gradients_equal_a_reimplementation(depth, chunk):
     """mtp_loss (the train step's metric, at the initial parameters) and every gradient leaf (main layers,
     embedding, head and the MTP modules) equal the re-implementation's, with a non-zero loss mask hole so the
