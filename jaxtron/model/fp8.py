@@ -33,6 +33,7 @@ from flax import nnx
 
 from jaxtron.model.fp8_blockwise import LETTER_NAMES, Blockwise, blockwise_project
 from jaxtron.model.projection import Matmuls, parse_spec
+from jaxtron.parallel import collective_matmul
 from jaxtron.parallel.sharding import matmul_weight
 
 E4M3 = jnp.float8_e4m3fn
@@ -87,6 +88,12 @@ class Recipe:
         weight's amax history under ``delayed``; ``names``: blockwise's letter names (:meth:`blockwise`)."""
         weight = getattr(module, name)
         w = matmul_weight(weight[...].astype(x.dtype), weight.get_metadata()["out_sharding"])
+        # parallel.tp_comm_overlap: parallel/ decides from the weight's logical names whether the tensor
+        # collectives around this projection run as a ring overlapped with its GEMM
+        ring = collective_matmul.projects(x, [(spec, w, weight.get_metadata()["out_sharding"])],
+                                          self.matmuls.project, self.name != "none")
+        if ring is not None:
+            return ring[0]
         hist = getattr(module, name + HISTORY_SUFFIX, None)
         return dense(spec, x, w, self.name, hist, self.margin,
                      self.blockwise(**names) if self.name == "blockwise" else None, self.matmuls)

@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxtron.config.schema import Config, ModelConfig, ParallelConfig, require
+from jaxtron.parallel import collective_matmul
 from jaxtron.parallel.axes import (AXES, BATCH_SPLIT, CONTEXT, CRITICAL_PATH, EXPERT, STAGE, TENSOR,
                                    data_parallel_size)
 from jaxtron.parallel.context import balance, check_context
@@ -257,7 +258,7 @@ class Layout:
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
         """The logical rules and this layout's mesh, for tracing the model (``constrain``, ``per_shard``)."""
-        with use_rules(self.rules, self._mesh()):
+        with use_rules(self.rules, self._mesh()), collective_matmul.overlapping(self.parallel.tp_comm_overlap):
             yield
 
     def sharding(self, names: Sequence[Optional[str]]) -> NamedSharding:
