@@ -22,7 +22,7 @@ from flax import nnx
 from helpers import NONZERO_LR, assert_same_training, tiny_config, training_record
 from jaxtron import config as config_lib
 from jaxtron.model.layers import Rope, rope_frequencies, rope_tables
-from jaxtron.model.mla import LatentAttention, rope_deinterleave_order
+from jaxtron.model.mla import LATENT_NORM_EPS, LatentAttention, rope_deinterleave_order
 
 H, N, R, V, C, Q = 4, 16, 8, 12, 32, 24  # heads, qk_nope, qk_rope, v, kv_lora, q_lora
 MLA = ("model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8",
@@ -97,7 +97,7 @@ def test_module_matches_deepseek_v3_attention(q_lora):
     inv_freq = rope_frequencies(cfg)
     rope = Rope(pos, inv_freq, *rope_tables(pos, inv_freq))
     out = nnx.jit(lambda m, x: m(x, rope, None))(module, jnp.asarray(x, jnp.float32))  # jitted: eager is slower
-    expected = _hf_attention(x, W, positions.astype(np.float64), cfg.rope_theta, cfg.rms_norm_eps)
+    expected = _hf_attention(x, W, positions.astype(np.float64), cfg.rope_theta, LATENT_NORM_EPS)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
 
 

@@ -60,6 +60,11 @@ def rope_deinterleave_order(r: int) -> np.ndarray:
     return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
 
 
+# DeepSeek's latent norms (its reference code and transformers' DeepseekV3) use 1e-6 whatever the model's
+# rms_norm_eps, so a checkpoint's logits match only with this epsilon.
+LATENT_NORM_EPS = 1e-6
+
+
 class LatentAttention(nnx.Module):
     """MLA with :class:`~jaxtron.model.layers.Attention`'s call: ``(x, rope, segment_ids)`` -> [b, s, hidden];
     with ``cache`` (decoding) it returns ``(out, (latent cache, rope key cache))``. Parameters (logical names):
@@ -78,13 +83,13 @@ class LatentAttention(nnx.Module):
         self.dims = (n, r, v)
         if q > 0:
             self.wq_a = param(rngs, (d, q), ("embed", "q_lora"), std, pd)
-            self.q_norm = RMSNorm(q, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+            self.q_norm = RMSNorm(q, LATENT_NORM_EPS, param_dtype=pd, rngs=rngs)
             self.wq_b = param(rngs, (q, h, n + r), ("q_lora", "heads", "head_dim"), std, pd)
         else:
             self.wq = param(rngs, (d, h, n + r), ("embed", "heads", "head_dim"), std, pd)
         self.wkv_a = param(rngs, (d, c), ("embed", "kv_lora"), std, pd)
         self.wk_rope = param(rngs, (d, r), ("embed", "head_dim"), std, pd)
-        self.kv_norm = RMSNorm(c, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        self.kv_norm = RMSNorm(c, LATENT_NORM_EPS, param_dtype=pd, rngs=rngs)
         self.wk_b = param(rngs, (c, h, n), ("kv_lora", "heads", "head_dim"), std, pd)
         self.wv_b = param(rngs, (c, h, v), ("kv_lora", "heads", "head_dim"), std, pd)
         self.wo = param(rngs, (h, v, d), ("heads", "head_dim", "embed"), out_std, pd)
