@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtron.model import remat
 from jaxtron.model.fp8_blockwise import LETTER_NAMES, Blockwise, blockwise_project
 from jaxtron.model.projection import Matmuls, parse_spec
 from jaxtron.parallel import collective_matmul
@@ -86,17 +87,31 @@ class Recipe:
     def project(self, module, name: str, spec: str, x: jax.Array, **names) -> jax.Array:
         """``einsum(spec, x, module.<name>)`` (the weight cast to x's dtype) under this recipe, with the
         weight's amax history under ``delayed``; ``names``: blockwise's letter names (:meth:`blockwise`)."""
-        weight = getattr(module, name)
-        w = matmul_weight(weight[...].astype(x.dtype), weight.get_metadata()["out_sharding"])
-        # parallel.tp_comm_overlap: parallel/ decides from the weight's logical names whether the tensor
-        # collectives around this projection run as a ring overlapped with its GEMM
-        ring = collective_matmul.projects(x, [(spec, w, weight.get_metadata()["out_sharding"])],
-                                          self.matmuls.project, self.name != "none")
+        return self.projects(module, x, (name, spec, names))[0]
+
+    def projects(self, module, x: jax.Array, *projections) -> list:
+        """:meth:`project` of one input ``x`` by several of ``module``'s weights, each ``(name, spec)`` or
+        ``(name, spec, names)``: their results, in order. Under ``current`` and ``delayed`` x is quantized once
+        for all of them (:func:`fp8_projects`), the same math as one :meth:`project` each."""
+        ops = []
+        for name, spec, *names in projections:
+            weight = getattr(module, name)
+            w = matmul_weight(weight[...].astype(x.dtype), weight.get_metadata()["out_sharding"])
+            hist = getattr(module, name + HISTORY_SUFFIX, None)
+            ops.append((spec, w, hist, names[0] if names else {}))
+        # parallel.tp_comm_overlap: parallel/ decides from the weights' logical names whether the tensor
+        # collectives around these projections run as rings overlapped with their GEMMs
+        ring = collective_matmul.projects(
+            x, [(spec, w, getattr(module, name).get_metadata()["out_sharding"])
+                for (spec, w, _, _), (name, *_) in zip(ops, projections)], self.matmuls.project, self.name != "none")
         if ring is not None:
-            return ring[0]
-        hist = getattr(module, name + HISTORY_SUFFIX, None)
-        return dense(spec, x, w, self.name, hist, self.margin,
-                     self.blockwise(**names) if self.name == "blockwise" else None, self.matmuls)
+            return ring
+        if self.name in ("current", "delayed"):
+            return fp8_projects(x, [(spec, w, None if hist is None else hist[...]) for spec, w, hist, _ in ops],
+                                self.name, self.margin)
+        return [dense(spec, x, w, self.name, hist, self.margin,
+                      self.blockwise(**names) if self.name == "blockwise" else None, self.matmuls)
+                for spec, w, hist, names in ops]
 
     def describe(self) -> str:
         """The recipe in words, for the start-up log."""
@@ -153,38 +168,83 @@ def _dot(spec, a, b, scale, out_dtype):
     return (y.astype(jnp.float32) * scale).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kinds(x, w):
+    """Empty arrays of x's and w's dtypes: the residuals that tell the backward its results' dtypes."""
+    return jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
+
+
+def quantized_input(x, scale=None):
+    """The e4m3 copy of a projection's operand and its scale (``scale``, or current scaling's from its amax),
+    outside any gradient: one copy of an input serves every projection of it (:func:`fp8_projects`), and the
+    gradient reaches x through the projections' custom VJPs, not through the cast."""
+    x = jax.lax.stop_gradient(x)
+    # current scaling's scale is kept for the backward (remat.FP8_SCALE): a recomputed copy is then one cast
+    # fused into x's recomputed producer, not an amax pass (and an all-reduce) over x before it
+    scale = remat.tag(scale_of(x, E4M3), remat.FP8_SCALE) if scale is None else scale
+    return quantize(x, E4M3, scale), scale
+
+
 def fp8_project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """``einsum(spec, x, w)`` (``w`` a weight) in FP8 with current scaling; result and gradients in x's and
     w's dtypes."""
-    return _fwd(spec, x, w)[0]
+    return _current_dot(spec, x, w, *quantized_input(x))
 
 
-def _fwd(spec, x, w):
-    sx, sw = scale_of(x, E4M3), scale_of(w, E4M3)
-    x8, w8 = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
-    return _dot(spec, x8, w8, sx * sw, x.dtype), (x8, w8, sx, sw, jnp.zeros((0,), x.dtype),
-                                                  jnp.zeros((0,), w.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _current_dot(spec, x, w, x8, sx):
+    """``einsum(spec, x, w)`` in FP8 from x's e4m3 copy ``x8`` (scale ``sx``; :func:`quantized_input`, made
+    once for all projections of ``x``); ``x`` itself only receives the gradient. The weight is quantized here,
+    with its own amax. (Quantized outside too, with its scale kept for the backward, the weight's amax left
+    the backward but its all-reduce no longer rode with the others: one more per layer, slower as planned.)"""
+    return _fwd(spec, x, w, x8, sx)[0]
+
+
+def _fwd(spec, x, w, x8, sx):
+    sw = scale_of(w, E4M3)
+    w8 = quantize(w, E4M3, sw)
+    # the residuals are the FP8 operands and their scales: nothing of x or w in 16 bits stays alive for the
+    # backward (the cotangent dtypes travel as empty arrays)
+    return _dot(spec, x8, w8, sx * sw, x.dtype), (x8, w8, sx, sw, _kinds(x, w))
 
 
 def _bwd(spec, res, g):
-    x8, w8, sx, sw, x_kind, w_kind = res
+    x8, w8, sx, sw, (x_kind, w_kind) = res
     xs, ws, ys = parse_spec(spec)
     sg = scale_of(g, E5M2)
     g8 = quantize(g, E5M2, sg)
     dx = _dot(f"{ys},{ws}->{xs}", g8, w8, sg * sw, x_kind.dtype)
     dw = _dot(f"{xs},{ys}->{ws}", x8, g8, sx * sg, w_kind.dtype)
-    return dx, dw
+    return dx, dw, None, None   # x's FP8 copy is made outside the gradient (quantized_input)
 
 
-fp8_project.defvjp(_fwd, _bwd)
+_current_dot.defvjp(_fwd, _bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
 def delayed_project(spec: str, x: jax.Array, w: jax.Array, hist: jax.Array, margin: int = 0) -> jax.Array:
     """``einsum(spec, x, w)`` in FP8 with scales from ``hist`` [H, 3] (delayed scaling, module doc). The
     cotangent returned for ``hist`` is zero but for row 0: this step's (input, weight, gradient) amaxes."""
-    return _delayed_fwd(spec, x, w, hist, margin)[0]
+    return fp8_projects(x, [(spec, w, hist)], "delayed", margin)[0]
+
+
+def fp8_projects(x: jax.Array, projections, recipe: str, margin: int = 0) -> list:
+    """Several projections of one input, ``projections`` a list of (spec, w, hist) (``hist`` under
+    ``delayed``, else None), under ``current`` or ``delayed`` scaling, with x quantized once for all of them:
+    one amax of x (one all-reduce), one e4m3 copy. Separate calls quantize x once each, and XLA cannot merge
+    them: each amax ends in its own all-reduce, so the copies differ by an operand (measured: Q, K and V each
+    recomputed the RMSNorm and wrote their own copy of x, docs/fp8.md). Under ``delayed`` the input scale is
+    the largest of the histories' (they hold the same amax of x every step, so each is the projection's own),
+    and x's amax is taken once, beside the cast, which does not wait for it."""
+    if recipe == "current":
+        x8, sx = quantized_input(x)
+        return [_current_dot(spec, x, w, x8, sx) for spec, w, _ in projections]
+    scales = [_history_scales(hist, margin) for _, _, hist in projections]
+    sx = functools.reduce(jnp.maximum, [s[0] for s in scales])
+    x8, _ = quantized_input(x, sx)
+    # x's amax only feeds the history through a residual; left to remat, it is taken where the backward
+    # recomputes x. Kept instead (remat.FP8_SCALE), XLA wrote x in 16 bits in the forward for the amax beside
+    # the cast: 0.07 s per step more memory-bound time on Llama-3-8B (docs/fp8.md)
+    ax = _amax(jax.lax.stop_gradient(x))
+    return [_delayed_dot(spec, margin, x, w, hist, x8, sx, ax) for spec, w, hist in projections]
 
 
 def _history_scales(hist, margin):
@@ -193,24 +253,30 @@ def _history_scales(hist, margin):
     return jnp.where(amax > 0, amax * (2.0 ** margin) / limits, 1.0)
 
 
-def _delayed_fwd(spec, x, w, hist, margin):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _delayed_dot(spec, margin, x, w, hist, x8, sx, ax):
+    """Delayed scaling's projection from x's e4m3 copy ``x8`` (scale ``sx``) and x's amax ``ax`` this step
+    (:func:`fp8_projects`); the weight and the gradient take their scales from ``hist``."""
+    return _delayed_fwd(spec, margin, x, w, hist, x8, sx, ax)[0]
+
+
+def _delayed_fwd(spec, margin, x, w, hist, x8, sx, ax):
     scales = _history_scales(hist, margin)
-    x8, w8 = quantize(x, E4M3, scales[0]), quantize(w, E4M3, scales[1])
-    y = _dot(spec, x8, w8, scales[0] * scales[1], x.dtype)
-    kinds = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-    return y, (x8, w8, scales, _amax(x), _amax(w), jnp.zeros_like(hist), kinds)
+    w8 = quantize(w, E4M3, scales[1])
+    y = _dot(spec, x8, w8, sx * scales[1], x.dtype)
+    return y, (x8, w8, sx, scales, ax, _amax(w), jnp.zeros_like(hist), _kinds(x, w))
 
 
 def _delayed_bwd(spec, margin, res, g):
-    x8, w8, scales, ax, aw, zeros, (x_kind, w_kind) = res
+    x8, w8, sx, scales, ax, aw, zeros, (x_kind, w_kind) = res
     xs, ws, ys = parse_spec(spec)
     g8 = quantize(g, E5M2, scales[2])
     dx = _dot(f"{ys},{ws}->{xs}", g8, w8, scales[2] * scales[1], x_kind.dtype)
-    dw = _dot(f"{xs},{ys}->{ws}", x8, g8, scales[0] * scales[2], w_kind.dtype)
-    return dx, dw, zeros.at[0].set(jnp.stack([ax, aw, _amax(g)]))
+    dw = _dot(f"{xs},{ys}->{ws}", x8, g8, sx * scales[2], w_kind.dtype)
+    return dx, dw, zeros.at[0].set(jnp.stack([ax, aw, _amax(g)])), None, None, None
 
 
-delayed_project.defvjp(_delayed_fwd, _delayed_bwd)
+_delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 class Histories:

@@ -114,9 +114,9 @@ class Attention(nnx.Module):
         """[batch, seq, hidden] -> [batch, seq, hidden]; with ``cache`` (decoding), this chunk's k/v are written
         into the cache at ``cache.index`` and the queries attend over the whole cache: returns (out, (k, v))."""
         dt = x.dtype
-        q = self.recipe.project(self, "wq", "bsd,dhk->bshk", x)
-        k = self.recipe.project(self, "wk", "bsd,dhk->bshk", x, h="act_kv_heads")
-        v = self.recipe.project(self, "wv", "bsd,dhk->bshk", x, h="act_kv_heads")
+        kv = {"h": "act_kv_heads"}  # one input: under FP8, quantized once for the three (fp8.Recipe.projects)
+        q, k, v = self.recipe.projects(self, x, ("wq", "bsd,dhk->bshk"), ("wk", "bsd,dhk->bshk", kv),
+                                       ("wv", "bsd,dhk->bshk", kv))
         if self.cfg.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
@@ -173,8 +173,7 @@ class SwiGLU(nnx.Module):
         self.recipe.add_histories(self, ("w_gate", "w_up", "w_down"))
 
     def __call__(self, x):
-        gate = self.recipe.project(self, "w_gate", "bsd,df->bsf", x)
-        up = self.recipe.project(self, "w_up", "bsd,df->bsf", x)
+        gate, up = self.recipe.projects(self, x, ("w_gate", "bsd,df->bsf"), ("w_up", "bsd,df->bsf"))
         h = kernels.swiglu(gate, up) if self.mlp_impl == "pallas" else jax.nn.silu(gate) * up
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
         return self.recipe.project(self, "w_down", "bsf,fd->bsd", h)

@@ -43,8 +43,23 @@ def _offload(*names: str):
 
 _save = jax.checkpoint_policies.save_only_these_names
 
+# FP8 recipes' scales and amaxes (jaxtron/model/fp8.py): scalars that every policy keeps, so that the backward's
+# recomputed FP8 casts reuse the forward's scales instead of reducing over their recomputed tensors again
+FP8_SCALE = "fp8_scale"
+_fp8_scales = _save(FP8_SCALE)
+
+
+def _keeping_fp8_scales(policy):
+    """``policy``, and the values tagged :data:`FP8_SCALE` kept (a few scalars per layer; the same numbers as
+    recomputed ones)."""
+    def keep(prim, *args, **params):
+        return True if _fp8_scales(prim, *args, **params) is True else policy(prim, *args, **params)
+
+    return keep
+
+
 # model.remat -> the policy jax.checkpoint applies to the scanned block ('none' applies no checkpoint)
-POLICIES = {
+POLICIES = {name: _keeping_fp8_scales(policy) for name, policy in {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_qkv_proj": _save(*QKV),
@@ -54,4 +69,4 @@ POLICIES = {
     "save_named": _save(*NAMED),
     "offload_qkv_attention": _offload(*QKV, ATTENTION_OUT),
     "offload_named": _offload(*NAMED),
-}
+}.items()}
