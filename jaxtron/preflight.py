@@ -19,7 +19,8 @@ import dataclasses
 from typing import Mapping, Optional, Sequence
 
 from jaxtron.config.loading import inference_parallel
-from jaxtron.config.schema import Config, ModelConfig, head_dim, require
+from jaxtron.config.schema import Config, require
+from jaxtron.config.model_schema import ModelConfig, head_dim
 from jaxtron.model import kernels
 from jaxtron.parallel.axes import CONTEXT, EXPERT, STAGE, TENSOR
 from jaxtron.parallel.expert import check_expert

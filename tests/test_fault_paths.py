@@ -194,7 +194,7 @@ def test_convert_help_and_deepseek_export_say_what_is_true(capsys):
     import dataclasses
 
     from jaxtron import config as config_lib
-    from jaxtron.config.schema import MLAConfig, MTPConfig
+    from jaxtron.config.model_schema import MLAConfig, MTPConfig
     from jaxtron.convert import hf
     from jaxtron.convert.__main__ import main as convert_cli
 

@@ -18,7 +18,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxtron.config.schema import MLAConfig, MoEConfig  # noqa: E402
+from jaxtron.config.model_schema import MLAConfig, MoEConfig  # noqa: E402
 from jaxtron.convert import hf  # noqa: E402
 from jaxtron.model.mla import rope_deinterleave_order  # noqa: E402
 from jaxtron.model.routing import ExpertBias  # noqa: E402

@@ -14,7 +14,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxtron.config.schema import MoEConfig  # noqa: E402
+from jaxtron.config.model_schema import MoEConfig  # noqa: E402
 from jaxtron.convert import hf  # noqa: E402
 from hf_helpers import (HEADS, HIDDEN, LAYERS, assert_logits_close, hf_greedy, hf_logits, jax_logits,  # noqa: E402
                         jaxtron_model, random_tokens, randomize_torch)

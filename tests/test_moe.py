@@ -13,7 +13,7 @@ from flax import nnx
 
 from helpers import NONZERO_LR, moe_training_record, synthetic_batch, tiny_config
 from jaxtron import config as config_lib
-from jaxtron.config.schema import MoEConfig
+from jaxtron.config.model_schema import MoEConfig
 from jaxtron.model import routing
 from jaxtron.model.moe import MoE
 from jaxtron.parallel.expert import capacity

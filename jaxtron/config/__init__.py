@@ -11,9 +11,9 @@ mesh are :mod:`jaxtron.preflight`'s.
 """
 
 from jaxtron.config.schema import (CONFIG_DIR, DEFAULT_PRESET, CheckpointConfig, Config, ConfigError, DataConfig,
-                                   DistributedConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig,
-                                   RopeScalingConfig, TrainConfig, checkpoint_dir, compute_dtype, gmm_impl, head_dim,
-                                   require)
+                                   DistributedConfig, LoggingConfig, OptimConfig, ParallelConfig, TrainConfig,
+                                   checkpoint_dir, require)
+from jaxtron.config.model_schema import ModelConfig, RopeScalingConfig, compute_dtype, gmm_impl, head_dim
 from jaxtron.config.loading import (fields_help, from_dict, inference_parallel, load, load_config, preset_path,
                                     reference_markdown, to_dict, to_yaml)
 from jaxtron.config.validation import (ATTENTION_IMPLS, DTYPES, KERNEL_IMPLS, REMAT_POLICIES, SCHEDULES,

@@ -11,7 +11,8 @@ import math
 import os
 from functools import reduce
 
-from jaxtron.config.schema import Config, head_dim, require as check
+from jaxtron.config.schema import Config, require as check
+from jaxtron.config.model_schema import head_dim
 
 ATTENTION_IMPLS = ("xla", "cudnn", "pallas", "mosaic")
 FP8_RECIPES = ("none", "current", "delayed", "blockwise")

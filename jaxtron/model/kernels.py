@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from jaxtron.config.schema import compute_dtype, head_dim, require
+from jaxtron.config.schema import require
+from jaxtron.config.model_schema import compute_dtype, head_dim
 from jaxtron.parallel.sharding import devices_are_cpu, per_shard
 
 # ``interpret=devices_are_cpu()`` below is read from the mesh the kernel is traced under, not from the model's

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config.schema import MoEConfig
+from jaxtron.config.model_schema import MoEConfig
 
 BIAS_NAME = "expert_bias"  # the parameter key of the aux-free bias (the train step finds it by this name)
 

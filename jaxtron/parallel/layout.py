@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtron.config.schema import Config, ModelConfig, ParallelConfig, require
+from jaxtron.config.schema import Config, ParallelConfig, require
+from jaxtron.config.model_schema import ModelConfig
 from jaxtron.parallel import collective_matmul
 from jaxtron.parallel.axes import (AXES, BATCH_SPLIT, CONTEXT, CRITICAL_PATH, EXPERT, STAGE, TENSOR,
                                    data_parallel_size)

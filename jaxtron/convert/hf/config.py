@@ -16,7 +16,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, RopeScalingConfig, head_dim
-from jaxtron.config.schema import MLAConfig, MoEConfig, MTPConfig
+from jaxtron.config.model_schema import MLAConfig, MoEConfig, MTPConfig
 from jaxtron.convert.hf.moe import (DEEPSEEK_V3, MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, check_moe_export,
                                     check_moe_hf, moe_from_hf, moe_to_hf)
 

@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxtron.config.schema import MoEConfig
+from jaxtron.config.model_schema import MoEConfig
 
 MIXTRAL, QWEN3_MOE, DEEPSEEK_V3 = "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"
 MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)
