@@ -209,7 +209,7 @@ def _plain_chunk(stage: Callable, micro: dict, act_dtype) -> Callable:
 
 
 def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chunks: Any, xs: jax.Array,
-                     micro: dict, act_dtype):
+                     micro: dict, act_dtype, log_memory: bool):
     """Run the stage loop on embedded micro batches xs [M, mb, seq, d]: the last chunk's outputs [M, ...],
     split over ``stage`` along M when S divides M (else replicated), the sum of the stages' objective terms
     and their per-layer reports summed over micro batches (layer order)."""
@@ -234,12 +234,16 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
         no_side, report0 = _side_zeros(stage, _index(local, 0), xs[0].astype(act_dtype), _index(micro, 0), S * V)
         if spec.recompute or V > 1:
             run_chunk = recomputed_chunk
-            _log_memory(spec, spec.ticks, _nbytes(xs[0]), "the stage inputs (every tick's)")
+            if log_memory:
+                _log_memory(spec, spec.ticks, _nbytes(xs[0]), "the stage inputs (every tick's)")
         else:
             run_chunk = _plain_chunk(stage, micro, act_dtype)
-            kept = KeptVJP(lambda p, x, m: (lambda y, side: ((y, side[0]), side[1]))(*stage(p, x, _index(micro, m))),
-                           _index(local, 0), xs[0].astype(act_dtype), jnp.zeros((), jnp.int32))
-            _log_memory(spec, spec.ticks, kept.kept_bytes(), "the stage's VJP residuals (every tick's)")
+            if log_memory:  # what autodiff of the loop keeps per tick: the chunk's micro-batch-dependent residuals
+                def chunk(p, x, m):
+                    y, (obj, report) = stage(p, x, _index(micro, m))
+                    return (y, obj), report
+                kept = KeptVJP(chunk, _index(local, 0), xs[0].astype(act_dtype), jnp.zeros((), jnp.int32))
+                _log_memory(spec, spec.ticks, kept.kept_bytes(), "the stage's VJP residuals (every tick's)")
 
         def tick(carry, t):
             cur, loop_buf, outs, obj, report = carry
@@ -340,9 +344,10 @@ def _post_loss(spec: PipelineSpec, post: Callable, shared: Any, outs: jax.Array,
 
 
 def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
-                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict):
+                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict, log_memory: bool = True):
     """``(loss, (aux, report))`` summed over the micro batches, through the gpipe/circular forward loop: the
-    loss includes the stages' objective terms; ``report`` is theirs in layer order. Differentiable."""
+    loss includes the stages' objective terms; ``report`` is theirs in layer order. Differentiable.
+    ``log_memory``: log what differentiating it keeps (False for a forward that is not differentiated)."""
     chunks = _chunked(stacked, stacked_specs, spec, mesh)
     xs = jax.vmap(pre, in_axes=(None, 0))(shared, micro)                      # [M, mb, seq, d]
     dtype = xs.dtype
@@ -350,7 +355,7 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
         # XLA:CPU's bf16 all-reduce rewrite (ChangeOpDataType) aborts on the stage reductions of 16-bit
         # arrays at this boundary, so on CPU they cross it in fp32.
         xs = xs.astype(jnp.float32)
-    outs, obj, report = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro, dtype)
+    outs, obj, report = _forward_outputs(spec, mesh, rules, stage, chunks, xs, micro, dtype, log_memory)
     loss, aux = _post_loss(spec, post, shared, outs.astype(dtype), micro)
     return loss + obj, (aux, jax.tree.map(lax.stop_gradient, report))
 
@@ -360,7 +365,7 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
 
 def _one_f_one_b(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
                  stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable):
-    S, M = spec.stages, spec.micro_batches
+    S = spec.stages
     chunks = _chunked(stacked, stacked_specs, spec, mesh)
     mb0 = _index(micro, 0)
     x_aval = jax.eval_shape(pre, shared, mb0)

@@ -116,6 +116,6 @@ def pipelined_loss(layout, graphdef, terms: StageTerms, param_shardings: dict, l
     spec = layout.pipeline(for_eval=True)
     objective, (sums, report) = pipeline.forward_loss(spec, layout.mesh, layout.rules, pre, stage, post, stacked,
                                                       _stacked_specs(param_shardings), shared,
-                                                      split_micro(batch, spec.micro_batches))
+                                                      split_micro(batch, spec.micro_batches), log_memory=False)
     return objective, _with_report(terms, sums, report)
 
