@@ -8,6 +8,11 @@ directly with a 16-bit or fp32 result, which XLA:GPU's GEMM rewriter turns into 
 scales folded into the epilogue; the three GEMMs of a projection (forward, dgrad, wgrad) are all FP8. The
 backward keeps the FP8 copies of x and w as its residuals (half of bf16's bytes).
 
+Shaped for XLA's fusion (docs/fp8.md, "What XLA:GPU runs"): projections of one input (Q, K, V; gate, up) take
+one e4m3 copy of it (:meth:`Recipe.projects`, :func:`fp8_projects`), made outside the gradient and handed to
+each projection's ``custom_vjp``; current scaling's input scales are tagged ``remat.FP8_SCALE``, which every
+remat policy keeps, so a copy recomputed in the backward is one cast fused into its recomputed producer.
+
 ``delayed`` (Transformer Engine's delayed scaling): the scales come from the amaxes of the last
 ``model.fp8_amax_history`` steps (their max, times 2^``model.fp8_margin``), kept per projection in an
 :class:`AmaxHistory` [H, 3] (input, weight, output gradient; newest first); a history with no amax yet (the
