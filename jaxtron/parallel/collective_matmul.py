@@ -19,7 +19,9 @@ other mesh axes stay automatic) as T = tensor ring steps:
   sum on; after T steps each device holds the complete sum of its own chunk.
 
 Each step's GEMM does not wait on the transfer issued beside it, so XLA:GPU's latency-hiding scheduler can run
-the async collective-permute under it. The backward is JAX's transpose of the same program: the transpose of a
+the async collective-permute under it. Left alone it does not: it puts every chunk's GEMM under the last
+transfer of the chain and leaves the others exposed back to back (seen in the compiled 70B module). An
+``optimization_barrier`` per step pins each GEMM between its own transfer's start and the next one's. The backward is JAX's transpose of the same program: the transpose of a
 ``ppermute`` is the reverse ``ppermute``, so the all-gather ring's input gradient is a reduce-scatter ring of
 chunk GEMMs and the reduce-scatter ring's an all-gather ring (the weight gradients are per-chunk GEMMs summed
 locally, no communication), which the planner's HLO shows.
@@ -93,9 +95,9 @@ def plan(spec: str, x_shape: Sequence[int], w_names: Sequence[Optional[str]]) ->
         return None
     rules, mesh = ctx
     if any(kind == AxisType.Manual for kind in getattr(mesh, "axis_types", ())):
-        # inside a pipeline's stage shard_map the 1f1b tick runs a stage's forward or backward in a conditional
-        # whose branch differs between stages: a ppermute there is a collective that only the devices of some
-        # stages reach (XLA:CPU waits for all of them and aborts), so pipelines keep the plain collectives
+        # inside a pipeline's stage shard_map: a 1f1b tick already overlaps one micro batch's tensor collectives
+        # with another's GEMMs, and the planner predicts the rings slower there (Llama-3-70B tensor 4 x stage 4:
+        # 30.8 -> 33.9 s per step, docs/parallelism.md), so pipelines keep the plain collectives
         _log_once("parallel.tp_comm_overlap: projections inside pipeline stages keep the plain collectives")
         return None
     t = dict(mesh.shape).get(TENSOR, 1)
