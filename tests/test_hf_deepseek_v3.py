@@ -173,11 +173,7 @@ def _hf_config(**change) -> dict:
     ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim=15 must be even for RoPE"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_parameters.rope_type='longrope' is "
                                                                         r"not supported"),
-    # DeepSeek-V3's released config.json spells its YaRN in the transformers 4 way
-    ({"rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
-     r"rope_scaling.rope_type='yarn' is not supported \(jaxtron has no YaRN RoPE scaling, which changes the rotary "
-     r"frequencies and the softmax scale at every position\)$"),
+    # (DeepSeek-V3's released YaRN rope_scaling imports: tests/test_yarn.py)
 ])
 def test_unsupported_deepseek_v3_config_is_refused_in_one_line(change, pattern):
     with pytest.raises(ValueError, match=r"^cfg\.json: " + pattern) as err:

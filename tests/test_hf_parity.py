@@ -274,11 +274,11 @@ def test_unsupported_rope_type_names_key_and_file(tmp_path):
     with open(config_path) as f:
         config = json.load(f)
     config.pop("rope_scaling", None)
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+    config["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0,
                                  "original_max_position_embeddings": 32}
     with open(config_path, "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match=r"config\.json: rope_parameters\.rope_type='yarn' is not supported"):
+    with pytest.raises(ValueError, match=r"config\.json: rope_parameters\.rope_type='longrope' is not supported"):
         hf.load(str(tmp_path))
     # The transformers-4 spelling is named as such.
     legacy = dict(config, rope_scaling={"type": "dynamic", "factor": 2.0})

@@ -12,11 +12,26 @@ from jaxtron.config.fields import documented as _f
 
 @dataclass
 class RopeScalingConfig:
-    type: str = _f("none", "'none' or 'llama3' (Llama-3.1 frequency-dependent scaling).")
-    factor: float = _f(8.0, "llama3: how much the context is stretched.")
+    type: str = _f("none", "'none', 'llama3' (Llama-3.1 frequency-dependent scaling) or 'yarn' (YaRN: DeepSeek-V3's "
+                           "128K extension, Qwen's long-context configs), with transformers' math.")
+    factor: float = _f(8.0, "llama3, yarn: how much the context is stretched.")
     low_freq_factor: float = _f(1.0, "llama3: wavelengths above original_max/low_freq_factor are scaled fully.")
     high_freq_factor: float = _f(4.0, "llama3: wavelengths below original_max/high_freq_factor are kept.")
-    original_max_position_embeddings: int = _f(8192, "llama3: the context length the model was trained with.")
+    original_max_position_embeddings: int = _f(8192, "llama3, yarn: the context length the model was trained "
+                                                      "with.")
+    beta_fast: float = _f(32.0, "yarn: frequencies turning more than beta_fast times over "
+                                "original_max_position_embeddings are kept as they are.")
+    beta_slow: float = _f(1.0, "yarn: frequencies turning fewer than beta_slow times are divided by factor; those "
+                               "between are blended on a linear ramp over the channel index.")
+    mscale: float = _f(1.0, "yarn: only read when mscale_all_dim is set: the cos/sin tables are then multiplied "
+                            "by (0.1 mscale ln factor + 1) / (0.1 mscale_all_dim ln factor + 1) (transformers' "
+                            "attention_factor; 1 for DeepSeek-V3's mscale = mscale_all_dim); 0 = not set, as "
+                            "for mscale_all_dim.")
+    mscale_all_dim: float = _f(0.0, "yarn: 0 = not set: the cos/sin tables are multiplied by 0.1 ln factor + 1. "
+                                    "Set (DeepSeek-V3: 1.0): the tables take mscale's ratio instead, and Multi-head "
+                                    "Latent Attention's softmax scale is multiplied by (0.1 mscale_all_dim ln "
+                                    "factor + 1)^2 (DeepSeek's yarn_get_mscale; not applied by other attention, "
+                                    "as in transformers).")
 
 
 @dataclass

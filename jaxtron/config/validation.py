@@ -79,13 +79,23 @@ def _validate_model(cfg: Config) -> None:
     _one_of(cfg, "model.param_dtype", DTYPES)
     check(m.mtp.num_layers >= 0, "model.mtp.num_layers", f"must be >= 0 (0: no MTP), got {m.mtp.num_layers}")
     check(m.mtp.loss_coef >= 0, "model.mtp.loss_coef", f"must be >= 0, got {m.mtp.loss_coef}")
-    _one_of(cfg, "model.rope_scaling.type", ("none", "llama3"))
-    if m.rope_scaling.type == "llama3":
-        rs = m.rope_scaling
+    _one_of(cfg, "model.rope_scaling.type", ("none", "llama3", "yarn"))
+    rs = m.rope_scaling
+    if rs.type == "llama3":
         _positive(cfg, *(f"model.rope_scaling.{n}" for n in ("factor", "low_freq_factor", "high_freq_factor",
                                                              "original_max_position_embeddings")))
         check(rs.high_freq_factor > rs.low_freq_factor, "model.rope_scaling.high_freq_factor",
               f"must be > low_freq_factor ({rs.low_freq_factor}), got {rs.high_freq_factor}")
+    if rs.type == "yarn":
+        # factor < 1 would shrink the context (transformers only warns; its mscale is then 1 while the
+        # frequencies still change): refuse it rather than run a model no checkpoint was trained as
+        check(rs.factor >= 1, "model.rope_scaling.factor", f"must be >= 1 for yarn, got {rs.factor}")
+        _positive(cfg, "model.rope_scaling.original_max_position_embeddings", "model.rope_scaling.beta_slow")
+        check(rs.beta_fast > rs.beta_slow, "model.rope_scaling.beta_fast",
+              f"must be > beta_slow ({rs.beta_slow}), got {rs.beta_fast}")
+        for name in ("mscale", "mscale_all_dim"):
+            check(getattr(rs, name) >= 0, f"model.rope_scaling.{name}", f"must be >= 0 (0: not set), got "
+                                                                        f"{getattr(rs, name)}")
 
 
 def _check_blockwise(cfg: Config) -> None:

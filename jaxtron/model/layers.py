@@ -41,9 +41,11 @@ def rope_head_dim(cfg: ModelConfig) -> int:
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies [rope_head_dim/2], with Llama-3.1 frequency-dependent scaling when configured."""
+    """Inverse frequencies [rope_head_dim/2], with Llama-3.1 or YaRN scaling when configured (transformers'
+    ``_compute_llama3_parameters`` / ``_compute_yarn_parameters``, in fp32 as they are)."""
     d = rope_head_dim(cfg)
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    theta_pow = cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # theta^(2i/d)
+    inv_freq = 1.0 / theta_pow
     rs = cfg.rope_scaling
     if rs.type == "llama3":
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
@@ -54,7 +56,46 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
         smoothed = (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq
         inv_freq = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor,
                              jnp.where(wavelen < high_wavelen, inv_freq, smoothed))
+    elif rs.type == "yarn":
+        inv_freq = _yarn_frequencies(theta_pow, d, cfg.rope_theta, rs)
     return inv_freq
+
+
+def _yarn_frequencies(theta_pow: jax.Array, d: int, theta: float, rs) -> jax.Array:
+    """YaRN's "NTK-by-parts": channel pair i keeps its frequency (extrapolates) when it turns more than beta_fast
+    times over the original context, is divided by ``factor`` (interpolates) when it turns fewer than beta_slow
+    times, and is blended linearly between. The channel bounds are floored/ceiled (transformers' default
+    ``truncate``) and computed in Python floats, as transformers does."""
+    def channel(rotations: float) -> float:  # the channel index whose wavelength fits `rotations` times
+        return d * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(channel(rs.beta_fast)), 0), min(math.ceil(channel(rs.beta_slow)), d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    # the same fp32 quantities transformers blends (1 / (factor * base^(2i/d)), not inv_freq / factor)
+    return 1.0 / (rs.factor * theta_pow) * (1 - keep) + 1.0 / theta_pow * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1 mscale ln(factor) + 1 (1 for factor <= 1): DeepSeek's
+    ``yarn_get_mscale``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What the cos/sin tables are multiplied by (transformers' ``attention_factor``, its rotary embedding's
+    ``attention_scaling``): 1 without yarn; with yarn, the ratio of mscale's and mscale_all_dim's temperature
+    terms when both are set (1 for DeepSeek-V3, whose softmax scale carries the temperature instead:
+    :func:`jaxtron.model.mla.LatentAttention.scale`), else 0.1 ln(factor) + 1. Multiplying both q's and k's
+    rotated channels by it scales their dot product by its square."""
+    rs = cfg.rope_scaling
+    if rs.type != "yarn":
+        return 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return yarn_mscale(rs.factor)
 
 
 class Rope(NamedTuple):
@@ -67,10 +108,13 @@ class Rope(NamedTuple):
     sin: Optional[jax.Array] = None
 
 
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of positions * inv_freq: fp32 [batch, seq, head_dim/2]."""
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of positions * inv_freq, times ``factor`` (:func:`rope_attention_factor`): fp32
+    [batch, seq, head_dim/2]."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    if factor == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -127,8 +171,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.rope_impl == "pallas":
             q, k = kernels.rope(q, k, rope.positions, rope.inv_freq)
+            factor = rope_attention_factor(self.cfg)
+            if factor != 1.0:  # the kernel takes no table factor: scale its output (XLA fuses it into the next op)
+                q, k = (x * jnp.asarray(factor, x.dtype) for x in (q, k))
         else:
-            cos, sin = (rope.cos, rope.sin) if rope.cos is not None else rope_tables(rope.positions, rope.inv_freq)
+            cos, sin = ((rope.cos, rope.sin) if rope.cos is not None else
+                        rope_tables(rope.positions, rope.inv_freq, rope_attention_factor(self.cfg)))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             return self._attend_cache(q, k, v, cache)

@@ -30,7 +30,8 @@ from flax import nnx
 from jaxtron.config import ModelConfig, compute_dtype
 from jaxtron.model import remat
 from jaxtron.model.cache import KVCache, LayerCache, cache_mask
-from jaxtron.model.layers import Attention, RMSNorm, Rope, SwiGLU, param, rope_frequencies, rope_tables
+from jaxtron.model.layers import (Attention, RMSNorm, Rope, SwiGLU, param, rope_attention_factor, rope_frequencies,
+                                  rope_tables)
 from jaxtron.model.mla import LatentAttention
 from jaxtron.model.moe import MoE
 from jaxtron.model.mtp import MTPModule
@@ -179,7 +180,7 @@ class Llama(nnx.Module):
         """RoPE for these positions (the cos/sin tables computed once for all the layers with rope_impl=xla)."""
         inv_freq = rope_frequencies(self.cfg)
         if self.cfg.rope_impl == "xla":  # the cos/sin tables once for all the layers
-            return Rope(positions, inv_freq, *rope_tables(positions, inv_freq))
+            return Rope(positions, inv_freq, *rope_tables(positions, inv_freq, rope_attention_factor(self.cfg)))
         return Rope(positions, inv_freq)
 
     def forward_with_stats(self, tokens: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]):

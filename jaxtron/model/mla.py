@@ -5,7 +5,8 @@ Keys and values are not projected from the hidden state per head: each token is 
 channels shared by every head (``wk_rope``, then RoPE). Head h's key is ``[latent @ wk_b[:, h], k_rope]``
 (``qk_nope_head_dim`` (n) + r channels) and its value ``latent @ wv_b[:, h]`` (``v_head_dim``, v). Queries are
 ``wq`` (``q_lora_rank`` = 0) or ``wq_b(q_norm(wq_a x))`` (a low-rank query, DeepSeek-V3), their last r channels
-rotated. The softmax scale is (n + r)^-0.5. The math is that of transformers' ``DeepseekV3Attention``.
+rotated. The softmax scale is (n + r)^-0.5 (with YaRN's mscale_all_dim, times its temperature squared:
+:attr:`LatentAttention.scale`). The math is that of transformers' ``DeepseekV3Attention``.
 
 Training (and any uncached forward) expands the latent into per-head keys and values and runs the model's
 attention (:func:`jaxtron.model.attention.attention`, or the context-parallel
@@ -41,7 +42,7 @@ from jaxtron.config import ModelConfig
 from jaxtron.model import fp8, kernels, remat
 from jaxtron.model.attention import attention, xla_attention
 from jaxtron.model.cache import LATENT_CACHE_NAMES, ROPE_KEY_CACHE_NAMES, LayerCache
-from jaxtron.model.layers import RMSNorm, Rope, param, rope_tables, rotate
+from jaxtron.model.layers import RMSNorm, Rope, param, rope_attention_factor, rope_tables, rotate, yarn_mscale
 from jaxtron.model.projection import Matmuls
 from jaxtron.parallel import ring_attention
 from jaxtron.parallel.sharding import constrain, matmul_weight
@@ -100,7 +101,13 @@ class LatentAttention(nnx.Module):
 
     @property
     def scale(self) -> float:
+        """The softmax scale (n + r)^-0.5, times yarn_mscale(factor, mscale_all_dim)^2 when YaRN's mscale_all_dim is
+        set (DeepSeek's temperature, transformers' ``yarn_apply_mscale``): every score, rope and no-rope part
+        alike, in training and in the absorbed decode."""
         n, r, _ = self.dims
+        rs = self.cfg.rope_scaling
+        if rs.type == "yarn" and rs.mscale_all_dim:
+            return (n + r) ** -0.5 * yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
         return (n + r) ** -0.5
 
     def __call__(self, x, rope: Rope, segment_ids, cache: Optional[LayerCache] = None):
@@ -111,7 +118,8 @@ class LatentAttention(nnx.Module):
         k_rope = self.recipe.project(self, "wk_rope", "bsd,dk->bsk", x)[:, :, None]   # [b, s, 1, r]
         k_rope = remat.tag(constrain(k_rope, ROPE_KEY), remat.QKV[1])
         q_nope, q_rope = q[..., :n], q[..., n:]
-        cos, sin = (rope.cos, rope.sin) if rope.cos is not None else rope_tables(rope.positions, rope.inv_freq)
+        cos, sin = ((rope.cos, rope.sin) if rope.cos is not None else
+                    rope_tables(rope.positions, rope.inv_freq, rope_attention_factor(self.cfg)))
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope, cos, sin)
         if cache is not None:
             return self._attend_cache(q_nope, q_rope, latent, k_rope[:, :, 0], cache)

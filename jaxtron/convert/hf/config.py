@@ -1,8 +1,8 @@
 """Hugging Face config.json <-> jaxtron :class:`~jaxtron.config.ModelConfig`: the supported architectures
 (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
 ``Qwen3MoeForCausalLM``, ``DeepseekV3ForCausalLM``; the MoE keys in :mod:`jaxtron.convert.hf.moe`, DeepSeek-V3's
-Multi-head Latent Attention and multi-token prediction keys here), RoPE (default and
-llama3 scaling, in the transformers 4 and 5 spellings), the checks for options jaxtron's model does not implement,
+Multi-head Latent Attention and multi-token prediction keys here), RoPE (default, llama3 and
+yarn scaling, in the transformers 4 and 5 spellings), the checks for options jaxtron's model does not implement,
 and the reverse mapping."""
 
 from __future__ import annotations
@@ -80,12 +80,11 @@ def _rope_from_hf(hf: Mapping, source: str) -> tuple[float, RopeScalingConfig]:
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type == "default":
         return theta, RopeScalingConfig(type="none")
-    if rope_type == "yarn":  # DeepSeek-V3's released config: its YaRN came with the long-context extension
-        raise ValueError(f"{source}: {key}.rope_type='yarn' is not supported (jaxtron has no YaRN RoPE scaling, "
-                         f"which changes the rotary frequencies and the softmax scale at every position)")
+    if rope_type == "yarn":
+        return theta, _yarn_from_hf(hf, params, key, source)
     if rope_type != "llama3":
         raise ValueError(f"{source}: {key}.rope_type={rope_type!r} is not supported; jaxtron supports "
-                         f"'default' and 'llama3'")
+                         f"'default', 'llama3' and 'yarn'")
     for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         if params.get(name) is None:
             raise ValueError(f"{source}: {key}.{name} is missing (required by rope_type 'llama3')")
@@ -93,6 +92,30 @@ def _rope_from_hf(hf: Mapping, source: str) -> tuple[float, RopeScalingConfig]:
         type="llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def _yarn_from_hf(hf: Mapping, params: Mapping, key: str, source: str) -> RopeScalingConfig:
+    """YaRN's fields as transformers 5 reads them (``_compute_yarn_parameters`` and its config standardization):
+    ``original_max_position_embeddings`` from the top level first (Phi-3's spelling), then the dict, then
+    ``max_position_embeddings``; beta_fast/beta_slow 32/1 when absent or 0. An absent (or 0) mscale is kept as 0
+    (not set), which matters only with mscale_all_dim: transformers then derives the cos/sin factor from factor
+    alone. The options whose math jaxtron does not carry are refused."""
+    if params.get("factor") is None:  # transformers would fall back to max_position_embeddings / original
+        raise ValueError(f"{source}: {key}.factor is missing (required by rope_type 'yarn')")
+    if params.get("attention_factor") is not None:
+        raise ValueError(f"{source}: {key}.attention_factor={params['attention_factor']} is not supported (jaxtron "
+                         f"derives the yarn cos/sin factor from factor, mscale and mscale_all_dim)")
+    if params.get("truncate") is not None and not params["truncate"]:
+        raise ValueError(f"{source}: {key}.truncate=false is not supported (jaxtron's yarn rounds the ramp "
+                         f"bounds to whole channels, transformers' default)")
+    original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or \
+        _get(hf, "max_position_embeddings", source)
+    return RopeScalingConfig(type="yarn", factor=float(params["factor"]),
+                             original_max_position_embeddings=int(original),
+                             beta_fast=float(params.get("beta_fast") or 32.0),
+                             beta_slow=float(params.get("beta_slow") or 1.0),
+                             mscale=float(params.get("mscale") or 0.0),
+                             mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
 
 
 def _check_unsupported(hf: Mapping, arch: str, source: str) -> None:
@@ -255,12 +278,13 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
     RoPE is written as transformers 5 reads it (``rope_parameters`` with ``rope_type`` and ``rope_theta``)
     and also as transformers 4 reads it (top-level ``rope_theta`` and ``rope_scaling``; transformers 5
     folds these into the same ``rope_parameters``). jaxtron has no position table, so
-    ``max_position_embeddings`` (informational for default/llama3 RoPE) defaults to
-    ``factor * original_max_position_embeddings`` for llama3 scaling, else 4096. ``dtype`` is the storage
-    dtype written as ``dtype``/``torch_dtype`` (default: ``cfg.param_dtype``)."""
+    ``max_position_embeddings`` (informational: transformers' yarn reads it only when ``factor`` is absent, which
+    jaxtron always writes) defaults to ``factor * original_max_position_embeddings`` for llama3 and yarn
+    scaling, else 4096. ``dtype`` is the storage dtype written as ``dtype``/``torch_dtype`` (default:
+    ``cfg.param_dtype``)."""
     arch = _default_architecture(cfg, architecture)
     rs = cfg.rope_scaling
-    if rs.type not in ("none", "llama3"):
+    if rs.type not in ("none", "llama3", "yarn"):
         raise ValueError(f"model.rope_scaling.type: {rs.type!r} cannot be written to a HF config")
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     rope_scaling = None
@@ -269,10 +293,17 @@ def config_to_hf(cfg: ModelConfig, architecture: Optional[str] = None, *,
                         "low_freq_factor": float(rs.low_freq_factor),
                         "high_freq_factor": float(rs.high_freq_factor),
                         "original_max_position_embeddings": int(rs.original_max_position_embeddings)}
+    elif rs.type == "yarn":
+        rope_scaling = {"rope_type": "yarn", "factor": float(rs.factor),
+                        "original_max_position_embeddings": int(rs.original_max_position_embeddings),
+                        "beta_fast": float(rs.beta_fast), "beta_slow": float(rs.beta_slow)}
+        # 0 is "not set" in jaxtron and falsy in transformers: written only when set, read back as 0 when absent
+        rope_scaling.update({k: float(getattr(rs, k)) for k in ("mscale", "mscale_all_dim") if getattr(rs, k)})
+    if rope_scaling is not None:
         rope_parameters = {**rope_scaling, "rope_theta": float(cfg.rope_theta)}
     if max_position_embeddings is None:
         max_position_embeddings = (int(rs.factor * rs.original_max_position_embeddings)
-                                   if rs.type == "llama3" else 4096)
+                                   if rs.type in ("llama3", "yarn") else 4096)
     dtype = str(jnp.dtype(dtype or cfg.param_dtype))
     hf: dict[str, Any] = {
         "architectures": [arch],
