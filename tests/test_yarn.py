@@ -1,8 +1,9 @@
 """YaRN RoPE scaling (``model.rope_scaling.type: yarn``) against transformers 5: the inverse frequencies and the
 cos/sin factor (``attention_factor``) directly, fp32 logits within 1e-4 of ``DeepseekV3ForCausalLM`` (which also
-multiplies MLA's softmax scale by yarn_get_mscale(factor, mscale_all_dim)^2) and of ``LlamaForCausalLM`` (cos/sin
-factor only) at positions past original_max_position_embeddings, greedy decoding with MLA's latent cache equal to
-transformers' generate, the fused RoPE kernel's path, the HF config round trip, and the one-line refusals.
+multiplies MLA's softmax scale by yarn_get_mscale(factor, mscale_all_dim)^2) and of ``LlamaForCausalLM`` and
+``Qwen2ForCausalLM`` (cos/sin factor only) at positions past original_max_position_embeddings, greedy decoding
+with MLA's latent cache equal to transformers' generate, the fused RoPE kernel's path, the HF config round trip,
+and the one-line refusals.
 
 Tiny shapes (tests/hf_helpers.py's d=64, 4 heads; DeepSeek-V3 with 2 layers, the first dense, 4 experts), yarn
 factor 4 over an original context of 32, sequences of 64."""
@@ -139,14 +140,16 @@ def test_deepseek_v3_yarn_greedy_generation_matches_transformers(tmp_path):
     assert generate(model, prompts, max_new_tokens=new).rows() == expected
 
 
-def test_llama_yarn_logits_match_transformers(tmp_path):
-    """A Llama/Qwen-style yarn config (no mscale keys): transformers multiplies cos/sin by 0.1 ln factor + 1 and
-    leaves the softmax scale alone; the fused RoPE kernel's path (rope_impl=pallas, its output scaled) agrees."""
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
-                                      max_position_embeddings=int(FACTOR * ORIGINAL), rms_norm_eps=1e-5,
-                                      rope_parameters=_yarn_params(None, None), attn_implementation="eager")
-    hf_model = transformers.LlamaForCausalLM(config).float().eval()
+@pytest.mark.parametrize("arch", ["Llama", "Qwen2"])
+def test_llama_and_qwen2_yarn_logits_match_transformers(arch, tmp_path):
+    """Llama/Qwen-style yarn configs (no mscale keys; Qwen2.5's spelling): transformers multiplies cos/sin by
+    0.1 ln factor + 1 and leaves the softmax scale alone; for Llama also the fused RoPE kernel's path
+    (rope_impl=pallas, its output scaled)."""
+    config = getattr(transformers, f"{arch}Config")(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=int(FACTOR * ORIGINAL),
+        rms_norm_eps=1e-5, rope_parameters=_yarn_params(None, None), attn_implementation="eager")
+    hf_model = getattr(transformers, f"{arch}ForCausalLM")(config).float().eval()
     randomize_torch(hf_model)
     hf_model.save_pretrained(tmp_path)
     cfg, model = hf.load(str(tmp_path), dtype="float32")
@@ -155,6 +158,8 @@ def test_llama_yarn_logits_match_transformers(tmp_path):
     tokens = random_tokens(SEQ, seed=4, vocab=VOCAB)
     expected = hf_logits(hf_model, tokens)
     assert_logits_close(jax_logits(model, tokens), expected)
+    if arch != "Llama":
+        return
     fused = _with_cfg(model, dataclasses.replace(model.cfg, rope_impl="pallas"))  # interpreted on CPU
     assert_logits_close(jax_logits(fused, tokens), expected)
 
