@@ -119,6 +119,18 @@ def test_layout_trains_like_one_device(one_device, layout):
     assert_same_training(training_record(cfg, jax.devices()), one_device)
 
 
+def test_the_triton_kernel_runs_mla_heads_padded_to_its_width(one_device):
+    """attention_impl=pallas (the Triton flash kernel, interpreted on CPU) takes powers of two: MLA's 16 + 8 = 24
+    wide q/k heads and 12 wide values run padded to 32 and sliced back, and train as the xla reference does
+    (the kernel's online softmax sums in another order: 1e-4)."""
+    from jaxtron.model import kernels
+
+    assert kernels.padded_head_dim(24, "pallas") == 32 and kernels.padded_head_dim(192, "pallas") == 256
+    assert kernels.padded_head_dim(192, "cudnn") == 192
+    cfg = tiny_config(*MLA, "model.mla.q_lora_rank=24", *NONZERO_LR, "parallel.data=1", "model.attention_impl=pallas")
+    assert_same_training(training_record(cfg, jax.devices()[:1]), one_device, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------ decoding
 
 

@@ -99,6 +99,13 @@ def blockwise_gemm(impl: str, block: int):
     return lambda a, sa, b, sb, out_dtype: blockwise_matmul_reference(a, sa, b, sb, block=block, out_dtype=out_dtype)
 
 
+def padded_head_dim(d: int, implementation: str) -> int:
+    """The head width an attention kernel runs MLA's d-wide q/k heads at: the Triton kernel ('pallas') takes
+    powers of two, so DeepSeek-V3's 192 runs at 256; the others take d. Zero channels added to q, k and v
+    change no score (the softmax scale is passed) and come out as zero channels, sliced off."""
+    return 1 << (d - 1).bit_length() if implementation == "pallas" else d
+
+
 def check(cfg, platform: Optional[str] = None, *, num_devices: int = 1, micro_batch_size: Optional[int] = None,
           tensor: int = 1) -> None:
     """Raise :class:`ConfigError` (one line naming the field) if the kernels ``cfg.model`` selects cannot run:
@@ -106,8 +113,11 @@ def check(cfg, platform: Optional[str] = None, *, num_devices: int = 1, micro_ba
     interpreter on CPU its thread and memory limits for ``micro_batch_size`` rows per data-parallel replica and
     heads split ``tensor`` ways over ``num_devices`` devices."""
     m = cfg.model
-    # MLA's q/k heads are qk_nope_head_dim + qk_rope_head_dim wide (v is padded to that for the kernels)
+    # MLA's q/k heads are qk_nope_head_dim + qk_rope_head_dim wide; v is padded to that for the kernels, and all
+    # three to the Triton kernel's width (padded_head_dim)
     d = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.mla.kv_lora_rank else head_dim(m)
+    if m.mla.kv_lora_rank:
+        d = padded_head_dim(d, m.attention_impl)
     if m.attention_impl == "mosaic":
         from pallas_kernels.flash_attention_mosaic import MOSAIC_HEAD_DIMS
 

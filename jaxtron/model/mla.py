@@ -13,7 +13,9 @@ attention (:func:`jaxtron.model.attention.attention`, or the context-parallel
 :func:`jaxtron.parallel.ring_attention.sequence_attention`), so tensor and context parallelism work as for
 :class:`~jaxtron.model.layers.Attention`. The 'xla' implementation and the ring take values narrower than the
 keys as they are; the kernels ('pallas', 'mosaic', 'cudnn') need equal widths, so for them v is zero-padded to
-n + r and the output sliced back (exact: the padded channels of the output are zeros and are dropped).
+n + r (and for the Triton kernel, which takes powers of two, q, k and v to
+:func:`jaxtron.model.kernels.padded_head_dim`) and the output
+sliced back (exact: zero channels change no score, and the padded output channels are dropped).
 
 Decoding caches only the latent [b, T, c] and the rotated key [b, T, r] per layer (the cache's ``k`` and ``v``:
 :mod:`jaxtron.model.cache`) and attends in the absorbed form: the query's no-rope part is taken into latent
@@ -146,8 +148,10 @@ class LatentAttention(nnx.Module):
     def _attend(self, q, k, v, rope: Rope, segment_ids):
         """Causal attention of q, k [b, s, h, n+r] and v [b, s, h, v] -> [b, s, h, v]."""
         impl, vd = self.cfg.attention_impl, v.shape[-1]
-        if impl != "xla" and vd != q.shape[-1]:  # the kernels need v as wide as q and k: pad, slice back
-            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - vd)))
+        if impl != "xla":  # the kernels need v as wide as q and k (the Triton one a power of two): pad, slice back
+            width = kernels.padded_head_dim(q.shape[-1], impl)
+            pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, width - a.shape[-1])))  # noqa: E731
+            q, k, v = pad(q), pad(k), pad(v)
         if impl in ("xla", "pallas"):  # as Attention: the rules say how a sequence split over 'context' is read
             flash, attend = None, lambda q, k, v, seg, scale, pos: xla_attention(q, k, v, seg, scale, pos,  # noqa: E731
                                                                                  matmuls=self.matmuls)
