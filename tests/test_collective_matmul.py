@@ -57,7 +57,8 @@ def _decisions(*overrides, seq=16):
 def test_collective_matmul_decision():
     assert _decisions(*SP) == ("gather", "scatter", None)
     assert _decisions(*SP, seq=1) == (None, None, None)  # decoding: one token does not split over tensor
-    assert _decisions("parallel.sequence_parallel=true") == (None, None, None)  # tp_comm_overlap off
+    assert _decisions("parallel.sequence_parallel=true") == ("gather", "scatter", None)  # on by default
+    assert _decisions("parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false") == (None, None, None)
     assert _decisions("parallel.tp_comm_overlap=true") == (None, None, None)  # no sequence parallelism
 
 

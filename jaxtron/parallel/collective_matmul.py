@@ -21,16 +21,18 @@ other mesh axes stay automatic) as T = tensor ring steps:
 Each step's GEMM does not wait on the transfer issued beside it, so XLA:GPU's latency-hiding scheduler can run
 the async collective-permute under it. Left alone it does not: it puts every chunk's GEMM under the last
 transfer of the chain and leaves the others exposed back to back (seen in the compiled 70B module). An
-``optimization_barrier`` per step pins each GEMM between its own transfer's start and the next one's. The backward is JAX's transpose of the same program: the transpose of a
-``ppermute`` is the reverse ``ppermute``, so the all-gather ring's input gradient is a reduce-scatter ring of
-chunk GEMMs and the reduce-scatter ring's an all-gather ring (the weight gradients are per-chunk GEMMs summed
-locally, no communication), which the planner's HLO shows.
+``optimization_barrier`` per step pins each GEMM between its own transfer's start and the next one's.
+
+The backward is JAX's transpose of the same program: the transpose of a ``ppermute`` is the reverse
+``ppermute``, so the all-gather ring's input gradient is a reduce-scatter ring of chunk GEMMs and the
+reduce-scatter ring's an all-gather ring (the weight gradients are per-chunk GEMMs summed locally, no
+communication); the compiled module holds those reverse rings' collective-permutes.
 
 The decision is made here, from the logical names of the weight and the rules, never from the model: a
 projection that does not match one of the two shapes, a sequence that does not split into T chunks (decoding),
 a sequence also split over ``context``, a projection inside a pipeline stage (:func:`plan` says why), or an
-FP8 recipe (per-chunk quantization would change the scales; logged
-once) takes the plain path (the caller's ``matmul(spec, x, w)``).
+FP8 recipe (per-chunk quantization would change the scales; logged once) takes the plain path (the caller's
+``matmul(spec, x, w)``).
 """
 
 from __future__ import annotations
@@ -94,16 +96,16 @@ def plan(spec: str, x_shape: Sequence[int], w_names: Sequence[Optional[str]]) ->
     if not _ENABLED.get() or ctx is None or ctx[1] is None:
         return None
     rules, mesh = ctx
+    t = dict(mesh.shape).get(TENSOR, 1)
+    seq_axes = _axes(logical_to_spec((RESIDUAL_SEQ,), rules)[0])
+    if t <= 1 or TENSOR not in seq_axes or any(dict(mesh.shape)[a] > 1 for a in seq_axes if a != TENSOR):
+        return None  # no sequence parallelism over tensor, or the sequence split over context too
     if any(kind == AxisType.Manual for kind in getattr(mesh, "axis_types", ())):
         # inside a pipeline's stage shard_map: a 1f1b tick already overlaps one micro batch's tensor collectives
         # with another's GEMMs, and the planner predicts the rings slower there (Llama-3-70B tensor 4 x stage 4:
         # 30.8 -> 33.9 s per step, docs/parallelism.md), so pipelines keep the plain collectives
         _log_once("parallel.tp_comm_overlap: projections inside pipeline stages keep the plain collectives")
         return None
-    t = dict(mesh.shape).get(TENSOR, 1)
-    seq_axes = _axes(logical_to_spec((RESIDUAL_SEQ,), rules)[0])
-    if t <= 1 or TENSOR not in seq_axes or any(dict(mesh.shape)[a] > 1 for a in seq_axes if a != TENSOR):
-        return None  # no sequence parallelism over tensor, or the sequence split over context too
     xs, ws, ys = _parse(spec)
     names = tuple(w_names)[len(w_names) - len(ws):]
     tokens = [c for c in xs if c not in ws]
