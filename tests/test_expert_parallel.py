@@ -346,3 +346,20 @@ def test_without_expert_parallelism_each_device_runs_only_its_own_tokens():
 
     one, eight = flops(("parallel.data=1",), jax.devices()[:1]), flops(("parallel.data=8",), jax.devices())
     assert eight == pytest.approx(one / 8, rel=0.02), (one, eight)
+
+
+def test_start_up_line_says_what_the_exchange_buffers_are():
+    """The trainer's one line on the all_to_all buffers (jaxtron.parallel.expert.describe_buffers) for the
+    Qwen3-30B-A3B preset on expert 16, 4096 tokens per device: worst case (16x the balanced load, nothing
+    dropped) by default, 1.25x and dropping with ep_capacity_factor=1.25; nothing without expert ranks."""
+    from jaxtron import config as config_lib
+    from jaxtron.parallel.expert import describe_buffers
+
+    from pathlib import Path
+
+    moe = config_lib.load(str(Path(__file__).parents[1] / "configs" / "qwen3_30b_a3b.yaml"), []).model.moe
+    line = describe_buffers(moe, 16, 4096)
+    assert "32768 rows" in line and "16.00x" in line and "nothing dropped" in line, line
+    line = describe_buffers(dataclasses.replace(moe, ep_capacity_factor=1.25), 16, 4096)
+    assert "2560 rows" in line and "1.25x" in line and "dropped (moe_dropped)" in line, line
+    assert describe_buffers(moe, 1, 4096) is None

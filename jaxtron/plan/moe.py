@@ -38,7 +38,7 @@ import re
 
 from jaxtron.config import Config, gmm_impl
 from jaxtron.plan import hlo
-from jaxtron.parallel.expert import capacity
+from jaxtron.parallel.expert import capacity, exchange_chunks
 from jaxtron.parallel.layout import Layout
 from jaxtron.train.flops import moe_layer_count
 
@@ -68,10 +68,10 @@ def keeps_tokens(cfg: Config, layout: Layout) -> bool:
 
 def ep_rows(cfg: Config, layout: Layout) -> int:
     """EP x C rows each device receives per MoE layer and micro batch (module doc); with ``ep_overlap``, the
-    sum over its two halves."""
+    sum over its chunks."""
     e = cfg.model.moe
     t = layout.micro_batch_size * cfg.data.seq_len // layout.context
-    parts = 2 if e.ep_overlap and e.ep_dispatch == "all_to_all" and t % 2 == 0 else 1
+    parts = exchange_chunks(e, t)
     return parts * layout.expert * capacity(t // parts, e.num_experts_per_token, layout.expert,
                                             e.num_experts // layout.expert, e.ep_capacity_factor)
 

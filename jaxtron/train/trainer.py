@@ -25,6 +25,7 @@ from jaxtron.data.corpus import make_corpus, valid_start_batch
 from jaxtron.model.fp8 import Recipe
 from jaxtron.model.projection import Matmuls
 from jaxtron.model import kernel_check
+from jaxtron.parallel.expert import describe_buffers
 from jaxtron.train.callbacks import TrainResult, as_callback
 from jaxtron.train.checkpointing import Checkpointing, Restored
 from jaxtron.train.flops import device_peak_tflops
@@ -239,6 +240,9 @@ class Trainer:
                      "kernel would run interpreted)" if cpu else "pallas, the grouped-GEMM kernel (XLA:GPU runs "
                      "ragged_dot over every expert)" + ("; the routed experts run in model.dtype, not FP8"
                                                        if recipe.name != "none" else ""))
+        buffers = describe_buffers(moe, lay.expert, lay.micro_batch_size * cfg.data.seq_len // lay.context)
+        if buffers:
+            log.info(buffers)
 
     # ------------------------------------------------------------------------------------ train / eval
     def evaluate(self, data=None, step: int | None = None) -> float:
