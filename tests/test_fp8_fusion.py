@@ -51,6 +51,18 @@ def test_projections_sharing_an_input_equal_separate_ones(recipe):
         np.testing.assert_allclose([np.asarray(h)[0, 0] for h in got[2]], float(jnp.abs(x).max()), rtol=1e-7)
 
 
+def _subjaxprs(value):
+    """The jaxprs in an equation's parameter (a jaxpr, a closed jaxpr, or tuples of them), by their fields, not
+    by jax.core's classes (which newer JAX moves)."""
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _subjaxprs(v)
+
+
 def _shapes(jaxpr, name):
     """The first operand's shape of every equation of primitive ``name`` in a jaxpr and the jaxprs inside it
     (remat, custom VJPs, pjit)."""
@@ -58,8 +70,9 @@ def _shapes(jaxpr, name):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == name:
             found.append(tuple(eqn.invars[0].aval.shape))
-        for sub in jax.core.jaxprs_in_params(eqn.params):
-            found += _shapes(sub, name)
+        for value in eqn.params.values():
+            for sub in _subjaxprs(value):
+                found += _shapes(sub, name)
     return found
 
 
