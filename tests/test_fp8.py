@@ -384,17 +384,21 @@ def test_bench_kernels_times_the_fp8_gemms():
 @needs_xla_gpu
 def test_xla_gpu_llama3_8b_runs_every_projection_in_fp8():
     """Llama-3-8B on 8 H100 (FSDP 8, micro batch 1 x 8192): the dgrad and the wgrad dots on FP8 operands have
-    exactly the projections' FLOPs for one layer's micro batch (the scanned body, counted once), the forward
-    ones at least that (remat=full recomputes all but the down projection), and the only bf16 dots left are
-    the LM head's, forward and backward (the fp32 logits' cotangent is rounded to bf16: no fp32 GEMM)."""
+    exactly twice the projections' FLOPs for one layer's micro batch (the scanned body, counted once), the
+    forward ones at least once (remat=full recomputes all but the down projection), and the only bf16 dots
+    left are the LM head's, forward and backward (the fp32 logits' cotangent is rounded to bf16: no fp32
+    GEMM)."""
     r = _cli("--config", "llama3_8b", "--gpu", "h100", "--num-gpus", "8", "parallel.data=1", "parallel.fsdp=8",
              "parallel.tensor=1", "train.micro_batch_size=1", "model.fp8=current", timeout=900)
     m = config_lib.load("llama3_8b", []).model
     d, hd, tokens = m.hidden_size, m.hidden_size // m.num_heads, 8192
     forward = 2.0 * tokens * (d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * m.intermediate_size)
     dots = r["dots"]
-    assert dots["f8e5m2 x f8e4m3fn"]["flops"] == pytest.approx(forward, rel=1e-9), dots
-    assert dots["f8e4m3fn x f8e5m2"]["flops"] == pytest.approx(forward, rel=1e-9), dots
+    # dgrad and wgrad: XLA merges the dots sharing an operand, Q/K/V's wgrads on their one e4m3 x into one dot
+    # that it writes with the gradient first, so the two mixed orders split the backward's FLOPs unevenly
+    mixed = dots["f8e5m2 x f8e4m3fn"]["flops"] + dots["f8e4m3fn x f8e5m2"]["flops"]
+    assert mixed == pytest.approx(2 * forward, rel=1e-9), dots
+    assert dots["f8e5m2 x f8e4m3fn"]["flops"] >= forward  # every dgrad
     assert dots["f8e4m3fn x f8e4m3fn"]["flops"] >= forward
     assert dots["bf16 x bf16"]["flops"] == pytest.approx(3 * 2.0 * tokens * d * m.vocab_size, rel=1e-9), dots
     assert not any("f32 x" in k or "x f32" in k for k in dots), dots
