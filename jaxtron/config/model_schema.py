@@ -91,10 +91,11 @@ class MoEConfig:
                                                    "ragged_all_to_all: each device's receive buffer is "
                                                    "parallel.expert times that, filled in sender order; rows "
                                                    "past it are dropped and counted.")
-    ep_overlap: bool = _f(False, "all_to_all dispatch: each device's tokens in two halves, the second half's "
-                                 "exchange tied to the first half's expert matmuls and the first half's return to "
-                                 "the second's (optimization_barrier), so that XLA overlaps the all-to-all with "
-                                 "the experts. Each half gets buffers of ep_capacity_factor of its own tokens.")
+    ep_overlap: bool = _f(False, "all_to_all dispatch: each device's tokens in two chunks pipelined by their data "
+                                 "dependencies (chunk 1's dispatch issued before chunk 0's expert matmuls, chunk "
+                                 "0's return before chunk 1's), so that XLA can run each exchange under the other "
+                                 "chunk's experts. Each chunk gets buffers of ep_capacity_factor of its own "
+                                 "tokens.")
 
 
 @dataclass
