@@ -199,8 +199,9 @@ def fp8_project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 def _current_dot(spec, x, w, x8, sx):
     """``einsum(spec, x, w)`` in FP8 from x's e4m3 copy ``x8`` (scale ``sx``; :func:`quantized_input`, made
     once for all projections of ``x``); ``x`` itself only receives the gradient. The weight is quantized here,
-    with its own amax. (Quantized outside too, with its scale kept for the backward, the weight's amax left
-    the backward but its all-reduce no longer rode with the others: one more per layer, slower as planned.)"""
+    with its own amax, recomputed in the backward: quantized outside with its scale kept (as x is), its amax
+    left the backward, but its all-reduce no longer joined the gradients' (one more all-reduce per layer,
+    planned slower: docs/fp8.md)."""
     return _fwd(spec, x, w, x8, sx)[0]
 
 
@@ -246,8 +247,8 @@ def fp8_projects(x: jax.Array, projections, recipe: str, margin: int = 0) -> lis
     sx = functools.reduce(jnp.maximum, [s[0] for s in scales])
     x8, _ = quantized_input(x, sx)
     # x's amax only feeds the history through a residual; left to remat, it is taken where the backward
-    # recomputes x. Kept instead (remat.FP8_SCALE), XLA wrote x in 16 bits in the forward for the amax beside
-    # the cast: 0.07 s per step more memory-bound time on Llama-3-8B (docs/fp8.md)
+    # recomputes x. Kept instead (remat.FP8_SCALE), XLA wrote x in 16 bits in the forward to reduce it beside
+    # the cast (memory-bound 2.04 against 1.91 s per step on Llama-3-8B, docs/fp8.md)
     ax = _amax(jax.lax.stop_gradient(x))
     return [_delayed_dot(spec, margin, x, w, hist, x8, sx, ax) for spec, w, hist in projections]
 
