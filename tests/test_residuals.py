@@ -9,7 +9,7 @@ from jax import lax
 from jaxtron.parallel.residuals import KeptVJP
 
 
-def _stage(w, x, m):
+def _stage(w, x, m, _select):
     """A scanned stack of layers that cast their weights to bf16 (as the model's layers do) and read the micro
     batch index through a cond, the way a stage's mask or positions do."""
     def layer(h, wl):
@@ -24,7 +24,7 @@ def test_weight_casts_are_made_again_and_activations_kept():
     x = jax.random.normal(jax.random.key(1), (4, 8))
     m = jnp.int32(1)
     kept = KeptVJP(_stage, w, x, m)
-    _, pullback, _ = jax.vjp(lambda w, x: _stage(w, x, m), w, x, has_aux=True)
+    _, pullback, _ = jax.vjp(lambda w, x: _stage(w, x, m, ()), w, x, has_aux=True)
     leaves = jax.tree.leaves(pullback)
     casts = [leaf.shape == w.shape for leaf in leaves]
     assert any(casts)                                                    # the stacked bf16-cast weights...

@@ -14,7 +14,8 @@ where ``stacked`` holds the leaves with a leading ``layers`` axis, ``shared`` th
 head) and ``mb`` one micro batch (a dict of [micro_batch, seq] arrays). Schedules (S stages, M micro batches,
 V virtual stages):
 
-* ``gpipe``: fill-drain over M + S - 1 ticks; gradients by differentiating the loop. Bubble (S-1)/(M+S-1).
+* ``gpipe``: fill-drain over M + S - 1 ticks; the loop's backward runs its ticks in reverse. Bubble
+  (S-1)/(M+S-1).
 * ``circular``: each device holds V non-adjacent chunks (device s runs chunks s, s+S, ...; Megatron's virtual
   pipeline, MaxText's circular pipeline); micro batches loop around the ring V times over V*M + S - 1 ticks.
   Bubble (S-1)/(V*M+S-1). The stacked weights are stored in layer order, contiguous per stage, so the step
@@ -28,12 +29,13 @@ V virtual stages):
 No stage forward runs twice (``parallel.pipeline_recompute=false``, the default): the backward of a micro batch
 applies the VJP residuals its forward kept, which are what ``model.remat`` saves inside the stage (everything
 under ``none``, the block inputs under ``full``; :mod:`jaxtron.parallel.residuals`). 1f1b keeps them in a ring of
-2S - 1 slots (:func:`one_f_one_b_slots`); gpipe's differentiated loop keeps them per tick (M + S - 1). circular
-still recomputes (its chunk index changes per tick, which would make the weights' casts residuals of every
-tick). With ``parallel.pipeline_recompute=true`` a stage keeps only its input per micro batch and runs its
-forward again in the backward (1f1b: a ring of 2S inputs and ``jax.vjp`` again; gpipe/circular: each tick
-under ``jax.checkpoint``): the least memory, one more stage forward per micro batch (4/3 of the model's matmul
-FLOPs under ``remat=none``). The kept bytes are logged when the step is traced (:func:`_log_memory`).
+2S - 1 slots (:func:`one_f_one_b_slots`); gpipe and circular keep them per tick (V*M + S - 1), their tick loop's
+backward written out (:func:`_kept_loop`: the ticks in reverse, each applying its residuals). With
+``parallel.pipeline_recompute=true`` a stage keeps only its input per micro batch and runs its forward again
+in the backward (1f1b: a ring of 2S inputs and ``jax.vjp`` again; gpipe/circular: the loop differentiated by
+autodiff, each tick under ``jax.checkpoint``): the least memory, one more stage forward per micro batch (4/3
+of the model's matmul FLOPs under ``remat=none``). The kept bytes are logged when the step is traced
+(:func:`_log_memory`).
 
 In ``gpipe``/``circular`` the embedding runs before the pipelined region and the loss after it, spread over the
 stages (micro batches split over ``stage`` when S divides M); the loss head's gradient is taken in the same loop
@@ -188,24 +190,111 @@ def _layer_order(report: Any) -> Any:
     return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), report)
 
 
-def _plain_chunk(stage: Callable, micro: dict, act_dtype) -> Callable:
-    """One tick of one stage without recomputation (one chunk per device): ``run(local, v, x, m, valid, no_side)
-    -> (y, side)``, differentiated as it stands, so autodiff of the tick loop keeps the stage's residuals per
-    tick (what ``model.remat`` saves) and runs no stage forward twice.
+def _kept_loop(spec: PipelineSpec, rules, stage: Callable, act_dtype, local: Any, x0: jax.Array, micro: dict,
+               no_side: Any, report0: Any) -> Callable:
+    """The gpipe/circular tick loop of one device, ``loop(local, xs, micro, s) -> (outs, obj, report)``, with a
+    backward written out: its forward keeps each tick's micro-batch-dependent VJP residuals (:class:`KeptVJP`,
+    stacked over ticks) and the backward runs the ticks in reverse, applying them (no stage forward runs
+    twice). Autodiff of the loop would not: a tick's ``lax.cond`` (fill and drain ticks skip the stage) and
+    circular's tick-dependent chunk index make the weights' casts residuals of every tick; here the weights
+    are one residual of the whole loop and the chunk index is a ``select`` whose weight residuals are made
+    again in the backward."""
+    S, M, V, T = spec.stages, spec.micro_batches, spec.chunks_per_device, spec.ticks
+    ring = [(j, (j + 1) % S) for j in range(S)]
+    back_ring = [((j + 1) % S, j) for j in range(S)]
 
-    Two things keep the stage's weights out of the per-tick residuals: the chunk is ``local[0]`` (a static
-    index: with a tick-dependent one the weights' bf16 casts would be residuals of every tick), and fill and
-    drain ticks run the stage too, their result dropped by a select rather than skipped by a ``cond`` (whose
-    residuals are its outputs, so tick-dependent). Running them costs no time: in those ticks the other stages
-    are busy, and a tick lasts as long as the busiest stage. The weight-only residuals are then loop
-    invariants that autodiff of the scan hoists out of the loop (once per step, not once per tick)."""
+    def chunk(local, x, index, v):
+        m, micro = index
+        y, (obj, report) = stage(_index(local, v), x.astype(act_dtype), _index(micro, m))
+        return (y.astype(x.dtype), obj), report
 
-    def run(local, v, x, m, valid, no_side):
-        y, (obj, report) = stage(jax.tree.map(lambda a: a[0], local), x.astype(act_dtype), _index(micro, m))
-        keep = lambda a, b: jnp.where(valid, a, b)
-        return keep(y.astype(x.dtype), x), jax.tree.map(keep, (obj, report), no_side)
+    i0 = jnp.zeros((), jnp.int32)
+    kept = KeptVJP(chunk, local, x0, (i0, micro), i0)
+    no_res = lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
 
-    return run
+    def where_tick(t, s):
+        i = t - s
+        valid = (i >= 0) & (i < V * M)
+        ic = jnp.clip(i, 0, V * M - 1)
+        return valid, ic // M, ic % M
+
+    def where_back(t, s):
+        """Stage 0 keeps what the last stage sends back until that micro batch's next round."""
+        il = t - (S - 1)
+        return (s == 0) & (il >= 0) & (il < (V - 1) * M), jnp.clip(il, 0, V * M - 1) % M
+
+    def forward(local, xs, micro, s):
+        def tick(carry, t):
+            cur, loop_buf, outs, obj, report = carry
+            valid, v, m = where_tick(t, s)
+            first = xs[m] if V == 1 else jnp.where(v == 0, xs[m], loop_buf[m])
+            x_in = jnp.where(s == 0, first, cur)
+
+            def go():
+                (y, obj_t), rep, res = kept.forward(local, x_in, (m, micro), v)
+                return (y, (obj_t, rep)), res
+            (y, (obj_t, report_t)), res = lax.cond(valid, go, lambda: ((x_in, no_side), no_res()))
+            obj = obj + obj_t
+            report = jax.tree.map(lambda r, a: r.at[v * S + s].add(a), report, report_t)
+            done = valid & (s == S - 1) & (v == V - 1)
+            outs = outs.at[m].set(jnp.where(done, y, outs[m]))
+            nxt = lax.ppermute(y, AXIS, ring)
+            if V > 1:
+                back, ml = where_back(t, s)
+                loop_buf = loop_buf.at[ml].set(jnp.where(back, nxt, loop_buf[ml]))
+            return (nxt, loop_buf, outs, obj, report), res
+
+        zeros = jnp.zeros_like(xs[0])
+        carry = (zeros, jnp.zeros_like(xs) if V > 1 else None, jnp.zeros_like(xs), no_side[0], report0)
+        (_, _, outs, obj, report), res = lax.scan(tick, carry, jnp.arange(T))
+        return (outs, obj, report), res
+
+    @jax.custom_vjp
+    def loop(local, xs, micro, s):
+        return forward(local, xs, micro, s)[0]
+
+    def fwd(local, xs, micro, s):
+        out, res = forward(local, xs, micro, s)
+        return out, (local, micro, s, res)
+
+    @functools.partial(_in_stage_rules, rules=rules)  # traced when the step is transposed, outside the body's
+    def bwd(saved, cts):                                 # rules: the stage must trace as in the forward
+        """The forward's ticks transposed, last tick first: the loop buffer's and ppermute's transposes, the
+        output slot's cotangent, the stage's VJP from the kept residuals, and the input select's transpose."""
+        local, micro, s, res = saved
+        ct_outs, ct_obj, _ = cts   # the report has no gradient (forward_loss stops it)
+
+        def rtick(carry, inp):
+            t, res_t = inp
+            ct_nxt, ct_loop_buf, d_local, d_xs = carry
+            valid, v, m = where_tick(t, s)
+            if V > 1:
+                back, ml = where_back(t, s)
+                ct_nxt = ct_nxt + jnp.where(back, ct_loop_buf[ml], 0)
+                ct_loop_buf = ct_loop_buf.at[ml].set(jnp.where(back, 0, ct_loop_buf[ml]))
+            ct_y = lax.ppermute(ct_nxt, AXIS, back_ring)
+            done = valid & (s == S - 1) & (v == V - 1)
+            ct_y = ct_y + jnp.where(done, ct_outs[m], 0)
+            d_l, ct_x = lax.cond(valid, lambda: kept.backward(local, res_t, (m, micro), (ct_y, ct_obj), v),
+                                 lambda: (jax.tree.map(jnp.zeros_like, local), ct_y))   # skipped: y = x_in
+            d_local = jax.tree.map(jnp.add, d_local, d_l)
+            ct_first = jnp.where(s == 0, ct_x, 0)
+            ct_cur = jnp.where(s == 0, 0, ct_x)
+            if V > 1:
+                d_xs = d_xs.at[m].add(jnp.where(v == 0, ct_first, 0))
+                ct_loop_buf = ct_loop_buf.at[m].add(jnp.where(v == 0, 0, ct_first))
+            else:
+                d_xs = d_xs.at[m].add(ct_first)
+            return (ct_cur, ct_loop_buf, d_local, d_xs), None
+
+        zeros = jnp.zeros_like(ct_outs[0])
+        carry = (zeros, jnp.zeros_like(ct_outs) if V > 1 else None, jax.tree.map(jnp.zeros_like, local),
+                 jnp.zeros_like(ct_outs))
+        (_, _, d_local, d_xs), _ = lax.scan(rtick, carry, (jnp.arange(T), res), reverse=True)
+        return d_local, d_xs, None, None
+
+    loop.defvjp(fwd, bwd)
+    return loop, kept
 
 
 def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chunks: Any, xs: jax.Array,
@@ -232,18 +321,14 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
         s = lax.axis_index(AXIS)
         ring = [(j, (j + 1) % S) for j in range(S)]
         no_side, report0 = _side_zeros(stage, _index(local, 0), xs[0].astype(act_dtype), _index(micro, 0), S * V)
-        if spec.recompute or V > 1:
-            run_chunk = recomputed_chunk
+        if not spec.recompute:
+            loop, kept = _kept_loop(spec, rules, stage, act_dtype, local, xs[0], micro_in, no_side, report0)
             if log_memory:
-                _log_memory(spec, spec.ticks, _nbytes(xs[0]), "the stage inputs (every tick's)")
-        else:
-            run_chunk = _plain_chunk(stage, micro, act_dtype)
-            if log_memory:  # what autodiff of the loop keeps per tick: the chunk's micro-batch-dependent residuals
-                def chunk(p, x, m):
-                    y, (obj, report) = stage(p, x, _index(micro, m))
-                    return (y, obj), report
-                kept = KeptVJP(chunk, _index(local, 0), xs[0].astype(act_dtype), jnp.zeros((), jnp.int32))
                 _log_memory(spec, spec.ticks, kept.kept_bytes(), "the stage's VJP residuals (every tick's)")
+            return _gathered(*loop(local, xs, micro_in, s))
+        run_chunk = recomputed_chunk
+        if log_memory:
+            _log_memory(spec, spec.ticks, _nbytes(xs[0]), "the stage inputs (every tick's)")
 
         def tick(carry, t):
             cur, loop_buf, outs, obj, report = carry
@@ -269,6 +354,10 @@ def _forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chu
         zeros = jnp.zeros_like(xs[0])
         carry = (zeros, jnp.zeros_like(xs) if V > 1 else None, jnp.zeros_like(xs), no_side[0], report0)
         (_, _, outs, obj, report), _ = lax.scan(tick, carry, jnp.arange(spec.ticks))
+        return _gathered(outs, obj, report)
+
+    def _gathered(outs, obj, report):
+        s = lax.axis_index(AXIS)
         outs = jnp.where(s == S - 1, outs, jnp.zeros_like(outs))
         obj, report = lax.psum((obj, report), AXIS)   # each stage holds the terms of its own chunks
         if split_out:
@@ -437,7 +526,7 @@ def _kept_tick(c: _TickContext):
     R = one_f_one_b_slots(S)
     is_first, is_last = c.s == 0, c.s == S - 1
 
-    def f(params, x_in, m):
+    def f(params, x_in, m, _select):
         """The stage's part before the loss: ((output, objective term), report)."""
         local, shared = params
         mb = _index(c.micro, m)
@@ -447,7 +536,7 @@ def _kept_tick(c: _TickContext):
 
     params = (c.local, c.shared)
     kept = KeptVJP(f, params, c.zeros_x, jnp.zeros((), jnp.int32))
-    obj_dtype = jax.eval_shape(f, params, c.zeros_x, 0)[0][1].dtype
+    obj_dtype = jax.eval_shape(f, params, c.zeros_x, 0, ())[0][1].dtype
     _log_memory(c.spec, R, kept.kept_bytes(), "the stage's VJP residuals")
     ring0 = tuple(jnp.zeros((R,) + a.shape, a.dtype) for a in kept.kept_shapes)
 

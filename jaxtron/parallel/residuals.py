@@ -67,45 +67,47 @@ def _eqn_flow(eqn, ins: list[bool]) -> list[bool]:
     return [True] * n_out  # anything else (a while loop, an unknown call): assume it depends
 
 
-def micro_batch_dependent(fn: Callable, params: Any, x: Any, m: Any) -> tuple[bool, ...]:
-    """For each residual leaf of ``jax.vjp(lambda p, x: fn(p, x, m), params, x, has_aux=True)``: whether it
-    depends on ``x`` or ``m`` (the micro batch's activation and index), i.e. must be kept per micro batch."""
-    def leaves(params, x, m):
-        return jax.tree.leaves(jax.vjp(lambda p, x: fn(p, x, m), params, x, has_aux=True)[1])
+def micro_batch_dependent(fn: Callable, params: Any, x: Any, m: Any, select: Any = ()) -> tuple[bool, ...]:
+    """For each residual leaf of ``jax.vjp(lambda p, x: fn(p, x, m, select), params, x, has_aux=True)``: whether
+    it depends on ``x`` or ``m`` (the micro batch's activation and index), i.e. must be kept per micro batch.
+    ``select`` (which chunk of ``params`` the tick runs) is not the micro batch's: residuals of the weights it
+    picks are made again in the backward, not kept per micro batch."""
+    def leaves(params, x, m, select):
+        return jax.tree.leaves(jax.vjp(lambda p, x: fn(p, x, m, select), params, x, has_aux=True)[1])
 
-    closed = jax.make_jaxpr(leaves)(params, x, m)
-    n_p, n_x, n_m = (len(jax.tree.leaves(a)) for a in (params, x, m))
-    return tuple(_flow(closed.jaxpr, [False] * n_p + [True] * (n_x + n_m)))
+    closed = jax.make_jaxpr(leaves)(params, x, m, select)
+    n_p, n_x, n_m, n_s = (len(jax.tree.leaves(a)) for a in (params, x, m, select))
+    return tuple(_flow(closed.jaxpr, [False] * n_p + [True] * (n_x + n_m) + [False] * n_s))
 
 
 class KeptVJP:
-    """``fn(params, x, m) -> (out, aux)``'s forward, keeping the residuals that depend on the micro batch, and its
-    backward from those.
+    """``fn(params, x, m, select) -> (out, aux)``'s forward, keeping the residuals that depend on the micro batch,
+    and its backward from those (``select``: see :func:`micro_batch_dependent`).
 
-    ``forward(params, x, m) -> (out, aux, kept)``; ``backward(params, kept, m, ct) -> (d_params, d_x)``;
-    ``kept_shapes``: the ``jax.ShapeDtypeStruct`` of each kept leaf (for the slots that hold them)."""
+    ``forward(params, x, m, select) -> (out, aux, kept)``; ``backward(params, kept, m, ct, select) -> (d_params,
+    d_x)``; ``kept_shapes``: the ``jax.ShapeDtypeStruct`` of each kept leaf (for the slots that hold them)."""
 
-    def __init__(self, fn: Callable, params: Any, x: Any, m: Any):
+    def __init__(self, fn: Callable, params: Any, x: Any, m: Any, select: Any = ()):
         self.fn = fn
-        self.keep = micro_batch_dependent(fn, params, x, m)
+        self.keep = micro_batch_dependent(fn, params, x, m, select)
         self.x_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-        shapes = jax.eval_shape(lambda: self.forward(params, x, m)[2])
+        shapes = jax.eval_shape(lambda: self.forward(params, x, m, select)[2])
         self.kept_shapes = tuple(shapes)
 
-    def _vjp(self, params, x, m):
-        return jax.vjp(lambda p, x: self.fn(p, x, m), params, x, has_aux=True)
+    def _vjp(self, params, x, m, select):
+        return jax.vjp(lambda p, x: self.fn(p, x, m, select), params, x, has_aux=True)
 
-    def forward(self, params, x, m):
-        out, pullback, aux = self._vjp(params, x, m)
+    def forward(self, params, x, m, select=()):
+        out, pullback, aux = self._vjp(params, x, m, select)
         kept = [leaf for leaf, k in zip(jax.tree.leaves(pullback), self.keep) if k]
         return out, aux, tuple(kept)
 
-    def backward(self, params, kept, m, ct):
+    def backward(self, params, kept, m, ct, select=()):
         """The pullback rebuilt from ``kept`` and, for the weight-only residuals, a forward traced again here: its
         micro-batch part (x is zeros) feeds nothing, so XLA removes it and only the weight-only residuals
         (casts, gathers) are computed."""
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.x_shape)
-        _, fresh, _ = self._vjp(params, zeros, m)
+        _, fresh, _ = self._vjp(params, zeros, m, select)
         leaves, tree = jax.tree.flatten(fresh)
         it = iter(kept)
         pullback = jax.tree.unflatten(tree, [next(it) if k else leaf for leaf, k in zip(leaves, self.keep)])
