@@ -158,7 +158,7 @@ def test_search_tries_context_parallelism_for_long_sequences():
 def test_search_never_recommends_a_layout_that_does_not_fit():
     cfg = _cfg("model.num_layers=2")
     gpu = get_gpu("h100").replace(memory_bytes=32 * 2**20, mem_fraction=1.0)
-    out = search(cfg, gpu, 8, devices=jax.devices()[:8], max_compiles=2, top=2)
+    out = search(cfg, gpu, 8, devices=jax.devices()[:8], max_compiles=4, top=2)
     assert out["top"], out
     assert out["pruned_by_estimate"] + len(out["not_fitting_or_failed"]) > 0  # some layouts do not fit
     for r in out["top"]:
@@ -316,7 +316,9 @@ def _moe_by_hand():
 
 @pytest.mark.parametrize("dispatch", ["dropless", pytest.param("capacity", marks=pytest.mark.slow)])
 def test_moe_plan_counts_every_expert_in_memory_and_active_ones_in_flops(dispatch):
-    cfg = config_lib.load(None, MOE + list(MOE_LAYOUT) + [f"model.moe.dispatch={dispatch}"])
+    # ragged_dot, as gmm_impl=auto takes on CPUs (this compile's), whose masked dense matmuls the HLO counts
+    cfg = config_lib.load(None, MOE + list(MOE_LAYOUT) + [f"model.moe.dispatch={dispatch}",
+                                                          "model.moe.gmm_impl=ragged_dot"])
     r = _cpu_plan(cfg)
     params, active, flops = _moe_by_hand()
     assert (params, active) == (162752, 138176) and flops == 801792

@@ -206,10 +206,10 @@ def compute_dtype(m: ModelConfig) -> str:
 
 def gmm_impl(m: ModelConfig, gpu: bool) -> str:
     """The resolved ``model.moe.gmm_impl`` for a program on GPUs (``gpu``) or other devices ('auto' -> pallas
-    on GPUs, ragged_dot elsewhere)."""
+    for dropless dispatch on GPUs, ragged_dot elsewhere: capacity dispatch has no grouped matmul)."""
     if m.moe.gmm_impl != "auto":
         return m.moe.gmm_impl
-    return "pallas" if gpu else "ragged_dot"
+    return "pallas" if gpu and m.moe.dispatch == "dropless" else "ragged_dot"
 
 
 def head_dim(m: ModelConfig) -> int:

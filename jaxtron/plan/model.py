@@ -131,11 +131,16 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     sp = cfg.parallel.sequence_parallel and t > 1
     st = closed_form_state_bytes(cfg, layout)
     tokens = b * s // layout.context  # each context rank holds 1/context of the sequence
-    # Under pipeline stages a stage keeps its micro batches' inputs (2S slots) and runs one micro batch's
-    # forward and backward of its own layers at a time (1f1b recomputes the forward in the backward).
+    # A stage's layers' saved activations per micro batch; under pipeline stages kept for every micro batch in
+    # flight (1f1b: 2S - 1 on stage 0; gpipe and circular: all M), or with pipeline_recompute only the
+    # micro batches' stage inputs (2S slots) and one micro batch's forward and backward at a time.
     saved = tokens * _act_bytes_per_token(m, t, sp, m.remat) / layout.stages
-    if layout.stages > 1:
+    if layout.stages > 1 and cfg.parallel.pipeline_recompute:
         saved += 2 * layout.stages * tokens * m.hidden_size * 2
+    elif layout.stages > 1:
+        in_flight = (2 * layout.stages - 1 if cfg.parallel.pipeline_schedule == "1f1b"
+                     else layout.accumulation_steps)
+        saved *= in_flight
     working = _working_bytes(cfg, layout, tokens, sp)
     logits = tokens * m.vocab_size / t * (2 + 4 + 4)
     gathered = 2 * 2 * largest_layer_params(m, layout.expert) / t if layout.zero_shards > 1 else 0
@@ -344,11 +349,12 @@ def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
 def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
                        moe_gemm: str = "as_compiled") -> float:
     """Rough step time for ranking search candidates before compiling. Pipeline stages: the bubble's idle
-    ticks, and the stages' forward recomputed in the backward (jaxtron's schedules differentiate each stage
-    call, unless remat=full already recomputes it)."""
+    ticks, and with ``parallel.pipeline_recompute`` the stages' forward run again in the backward (unless
+    remat=full already recomputes it)."""
     compute = compute_seconds(cfg, layout, gpu, hardware_flops_per_device(cfg, layout, moe_gemm), moe_gemm)
     if layout.stages > 1:
-        compute *= (1.0 if cfg.model.remat == "full" else 4.0 / 3.0) / (1.0 - layout.bubble)
+        again = cfg.parallel.pipeline_recompute and cfg.model.remat != "full"
+        compute *= (4.0 / 3.0 if again else 1.0) / (1.0 - layout.bubble)
     return (compute + hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
             + closed_form_comm_s(cfg, layout, gpu, num_gpus, moe_gemm))
 

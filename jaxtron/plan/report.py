@@ -19,8 +19,8 @@ from jaxtron.plan.gpus import GpuSpec
 from jaxtron.plan.target import SORT_NOTE, compile_step, prepare_config, target_devices
 
 PIPELINE_NOTE = ("pipeline stages: the step model counts the executed schedule (its idle ticks run the slowest "
-                 "stage's work, the stages' forward recomputed in the backward); the roofline's closed form "
-                 "has neither")
+                 "stage's work; with parallel.pipeline_recompute the stages' forward runs again in the "
+                 "backward); the roofline's closed form has neither")
 USABLE_NOTE = ("usable memory assumes XLA_PYTHON_CLIENT_MEM_FRACTION={} on the cluster (JAX preallocates 0.75 of "
                "GPU memory by default)")
 # the analysis of the compiled module (jaxtron/plan/analysis.py), in the order plan() has always reported it

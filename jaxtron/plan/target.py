@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import jax
 
-from jaxtron.config import Config
+from jaxtron.config import Config, gmm_impl
 from jaxtron.plan.gpus import GpuSpec
 
 INSTALL = 'pip install -e ".[plan]"'
@@ -118,6 +118,7 @@ def prepare_config(cfg: Config, backend: str) -> tuple[Config, list[str]]:
     m = cfg.model
     if m.dtype == "auto":
         m.dtype = "bfloat16"
+    m.moe.gmm_impl = gmm_impl(m, gpu=backend == "gpu")  # what 'auto' takes on the compile's devices
     if backend == "gpu" and m.attention_impl == "cudnn":
         m.attention_impl = "pallas"
         notes.append("attention: cuDNN cannot be compiled without cuDNN libraries; planned with jaxtron's Pallas "
