@@ -36,7 +36,7 @@ from jaxtron.parallel.axes import (AXES, BATCH_SPLIT, CONTEXT, CRITICAL_PATH, EX
 from jaxtron.parallel.context import balance, check_context
 from jaxtron.parallel.expert import check_expert
 from jaxtron.parallel.mesh import mesh_for
-from jaxtron.parallel.pipeline import PipelineSpec
+from jaxtron.parallel.pipeline_layout import PipelineSpec
 from jaxtron.parallel.rules import active_overrides, logical_rules
 from jaxtron.parallel.sharding import logical_to_sharding, param_shardings, use_rules
 
@@ -282,7 +282,7 @@ class Layout:
         return balance(batch, self.sizes[CONTEXT])
 
     def pipeline(self, for_eval: bool = False):
-        """The :class:`~jaxtron.parallel.pipeline.PipelineSpec`, or None without pipeline stages. Evaluation
+        """The :class:`~jaxtron.parallel.pipeline_layout.PipelineSpec`, or None without pipeline stages. Evaluation
         (forward only) runs the 1f1b configuration through the gpipe loop."""
         if self.stages == 1:
             return None

@@ -6,7 +6,7 @@ A pure function, not yet a schedule the pipeline runs (``parallel.pipeline_sched
 it needs the stage's backward split into a B that keeps, per micro batch, the cotangents W will read (the
 outputs' cotangents of every matmul in the stage), which jaxtron's stage VJP does not expose yet.
 
-The ticks. As in 1f1b (:mod:`jaxtron.parallel.pipeline`), stage s runs F of micro batch m at tick m + s and B at
+The ticks. As in 1f1b (:mod:`jaxtron.parallel.one_f_one_b`), stage s runs F of micro batch m at tick m + s and B at
 tick m + 2S - 2 - s; all stages run each tick together, so a tick lasts as long as its busiest stage. With F,
 B and W one time unit each (the paper's assumption), 1f1b runs W with B: its S - 1 fill ticks last 1, its M
 full ticks 3 and its S - 1 drain ticks 2 (B and W), (S-1)/(M+S-1) idle. Here B leaves W behind: stage 0, which
