@@ -1,10 +1,14 @@
 """The ZB-H1 tick table (jaxtron/parallel/zero_bubble.py) against tables worked by hand, and the rules every
 table keeps: each stage runs F, B and W of each micro batch once, in dependency order, and is done by the
-last tick."""
+last tick; the arrays the compiled loop reads, the bubble the planner predicts, and the config check. The
+schedule itself equals one device in tests/test_pipeline.py (zb_h1 case)."""
 
+import numpy as np
 import pytest
 
-from jaxtron.parallel.zero_bubble import one_f_one_b_bubble, zb_h1_table
+from jaxtron.config import ConfigError, load
+from jaxtron.parallel.layout import Layout
+from jaxtron.parallel.zero_bubble import one_f_one_b_bubble, tick_arrays, zb_h1_table
 
 # Worked by hand from the rules in the module docstring: F of m on stage s at tick m + s, B at m + 2S - 2 - s;
 # stage 0 runs W with B; the others fill each tick's spare time with their oldest W's.
@@ -68,3 +72,40 @@ def test_every_table_keeps_the_dependencies(stages, micro_batches):
 def test_bad_sizes_are_one_line_errors():
     with pytest.raises(ValueError, match="must be positive"):
         zb_h1_table(0, 4)
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 8), (3, 5)])
+def test_tick_arrays_hold_the_table_and_slots_are_never_reused_early(stages, micro_batches):
+    table = zb_h1_table(stages, micro_batches)
+    f_at, b_at, w_at, slots = tick_arrays(table)
+    w_tick = {}
+    for t, row in enumerate(table.work):
+        for s, (f, b, ws) in enumerate(row):
+            assert f_at[t, s] == (-1 if f is None else f) and b_at[t, s] == (-1 if b is None else b)
+            assert sorted(m for m in w_at[t, s] if m >= 0) == sorted(ws)
+            w_tick.update({(s, m): t for m in ws})
+    # micro batch m + slots reuses m's slot at its F (tick m + slots + s): m's W must have run before
+    for (s, m), t in w_tick.items():
+        assert t < m + slots + s, (s, m, t, slots)
+    assert slots <= 2 * stages - 1   # no more than 1f1b's ring
+    assert slots - 1 == max(t - (m + s) for (s, m), t in w_tick.items())  # and no more than the longest span
+    assert np.all(w_at.max(axis=2) < micro_batches)
+
+
+def _layout(*overrides):
+    return Layout.planned(load(None, ["parallel.stage=2", "parallel.data=1", "train.global_batch_size=8",
+                                      "train.micro_batch_size=1", *overrides]), 2)
+
+
+def test_planner_bubble_is_below_1f1b():
+    zb, ofob = _layout("parallel.pipeline_schedule=zb_h1"), _layout("parallel.pipeline_schedule=1f1b")
+    assert zb.accumulation_steps == ofob.accumulation_steps == 8
+    assert zb.bubble == pytest.approx(zb_h1_table(2, 8).bubble) == pytest.approx(1 / 25)
+    assert ofob.bubble == pytest.approx(1 / 9)
+    assert zb.pipeline().ticks == ofob.pipeline().ticks == 8 + 2
+    assert zb.pipeline(for_eval=True).schedule == "gpipe"   # evaluation runs the forward loop
+
+
+def test_zb_h1_with_recompute_is_a_config_error():
+    with pytest.raises(ConfigError, match="parallel.pipeline_recompute"):
+        _layout("parallel.pipeline_schedule=zb_h1", "parallel.pipeline_recompute=true")

@@ -40,7 +40,7 @@ from jaxtron.parallel.pipeline_layout import PipelineSpec
 from jaxtron.parallel.rules import active_overrides, logical_rules
 from jaxtron.parallel.sharding import logical_to_sharding, param_shardings, use_rules
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular", "zb_h1")
 
 
 def configured_sizes(p: ParallelConfig) -> dict[str, int]:
@@ -87,6 +87,8 @@ def check_parallel(cfg: Config, sizes: Optional[Mapping[str, int]] = None) -> No
     require(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
            f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
     require(p.virtual_stages >= 1, "parallel.virtual_stages", f"must be >= 1, got {p.virtual_stages}")
+    require(not (p.pipeline_recompute and p.pipeline_schedule == "zb_h1"), "parallel.pipeline_recompute",
+            "zb_h1 keeps the residuals its W reads: set parallel.pipeline_recompute=false")
     require(p.virtual_stages == 1 or p.pipeline_schedule == "circular", "parallel.virtual_stages",
            f"{p.virtual_stages} virtual stages need parallel.pipeline_schedule=circular "
            f"(got {p.pipeline_schedule!r})")
@@ -235,12 +237,12 @@ class Layout:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of the pipeline schedule: (S-1)/(M+S-1), or (S-1)/(V*M+S-1) for the circular one."""
+        """Idle fraction of the pipeline schedule (:attr:`PipelineSpec.bubble`): (S-1)/(M+S-1), (S-1)/(V*M+S-1)
+        for the circular one, (S-1)/(3M+S-1) for zb_h1."""
         s = self.stages
         if s <= 1:
             return 0.0
-        v = self.parallel.virtual_stages if self.parallel.pipeline_schedule == "circular" else 1
-        return (s - 1) / (v * self.accumulation_steps + s - 1)
+        return self.pipeline().bubble
 
     def describe(self) -> str:
         """``data=2 fsdp=2 tensor=2 stage=1`` (and ``expert=2``, ``context=4 (ring)`` where there are such)."""
@@ -283,11 +285,11 @@ class Layout:
 
     def pipeline(self, for_eval: bool = False):
         """The :class:`~jaxtron.parallel.pipeline_layout.PipelineSpec`, or None without pipeline stages. Evaluation
-        (forward only) runs the 1f1b configuration through the gpipe loop."""
+        (forward only) runs the 1f1b and zb_h1 configurations through the gpipe loop."""
         if self.stages == 1:
             return None
         p = self.parallel
-        schedule = "gpipe" if for_eval and p.pipeline_schedule == "1f1b" else p.pipeline_schedule
+        schedule = "gpipe" if for_eval and p.pipeline_schedule in ("1f1b", "zb_h1") else p.pipeline_schedule
         return PipelineSpec(self.stages, self.accumulation_steps, schedule, p.virtual_stages,
                             p.pipeline_fsdp_gather_once, p.pipeline_recompute)
 

@@ -29,14 +29,18 @@ from jaxtron.parallel.residuals import KeptVJP
 
 
 def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
-                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable):
-    """:func:`jaxtron.parallel.pipeline.value_and_grad` under 1f1b: the tick loop in one ``shard_map``."""
+                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable,
+                 make_tick: Callable | None = None):
+    """:func:`jaxtron.parallel.pipeline.value_and_grad` under 1f1b: the tick loop in one ``shard_map``.
+    ``make_tick(context) -> (tick, ring0)`` runs another schedule in the same loop (the same ticks, the
+    activations and cotangents moving as here; :func:`jaxtron.parallel.zero_bubble.zb_h1_tick`); by default
+    1f1b's."""
     S = spec.stages
     chunks = chunked(stacked, stacked_specs, spec, mesh)
     mb0 = tree_index(micro, 0)
     x_aval = jax.eval_shape(pre, shared, mb0)
     aux_aval = jax.eval_shape(lambda: post(shared, jnp.zeros(x_aval.shape, x_aval.dtype), mb0)[1])
-    tick_fn = _recomputing_tick if spec.recompute else _kept_tick
+    tick_fn = make_tick or (_recomputing_tick if spec.recompute else _kept_tick)
 
     def body(chunks, shared, micro):
         local = jax.tree.map(lambda a: a[0, 0], chunks)                    # [Lc, ...]
@@ -44,7 +48,7 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
         zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
         zero_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_aval)
         _, report0 = side_zeros(stage, local, zeros_x, tree_index(micro, 0), S)
-        ctx = _TickContext(spec, pre, stage, post, local, shared, micro, s, zeros_x, zero_aux, accumulate)
+        ctx = TickContext(spec, pre, stage, post, local, shared, micro, s, zeros_x, zero_aux, accumulate)
         tick, ring0 = tick_fn(ctx)
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (local, shared))
         carry = (zeros_x, zeros_x, ring0, grads0, (zero_aux, report0))
@@ -61,7 +65,7 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
 
 
 @dataclass(frozen=True)
-class _TickContext:
+class TickContext:
     """What a 1f1b tick closes over, inside the shard_map body (``s``: this device's stage index)."""
     spec: PipelineSpec
     pre: Callable
@@ -94,7 +98,7 @@ def one_f_one_b_slots(stages: int) -> int:
     return 2 * stages - 1
 
 
-def _kept_tick(c: _TickContext):
+def _kept_tick(c: TickContext):
     """The 1f1b tick that keeps the stage's VJP residuals: each forward tick runs ``jax.vjp`` of the embedding (on
     the first stage) and the stage's layers and keeps the residuals that depend on the micro batch in a ring
     slot; the backward tick applies them to the cotangent (the last stage first differentiates the post, on
@@ -168,7 +172,7 @@ def _kept_tick(c: _TickContext):
     return tick, ring0
 
 
-def _recomputing_tick(c: _TickContext):
+def _recomputing_tick(c: TickContext):
     """The 1f1b tick of ``parallel.pipeline_recompute``: a forward tick keeps only the stage's input (a ring of 2S
     slots), the backward tick runs ``jax.vjp`` of the stage on it again. The least activation memory, one
     stage forward more per micro batch."""

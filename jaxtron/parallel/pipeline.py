@@ -11,7 +11,8 @@ The model is not changed: the caller hands over three pure functions,
 where ``stacked`` holds the leaves with a leading ``layers`` axis, ``shared`` the rest (embedding, final norm,
 head) and ``mb`` one micro batch (a dict of [micro_batch, seq] arrays). Schedules (S stages, M micro batches,
 V virtual stages): ``gpipe`` and ``circular`` (:mod:`jaxtron.parallel.fill_drain`, a tick loop that is
-differentiated) and ``1f1b`` (:mod:`jaxtron.parallel.one_f_one_b`, forward and backward in one loop). The
+differentiated), ``1f1b`` (:mod:`jaxtron.parallel.one_f_one_b`, forward and backward in one loop) and ``zb_h1``
+(:mod:`jaxtron.parallel.zero_bubble`, 1f1b's loop with the backward split into B and a deferred W). The
 layout they share (:class:`~jaxtron.parallel.pipeline_layout.PipelineSpec`, the per-stage chunks, the
 ``shard_map`` manual over ``stage`` only) is in :mod:`jaxtron.parallel.pipeline_layout`.
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxtron.parallel import one_f_one_b
+from jaxtron.parallel import one_f_one_b, zero_bubble
 from jaxtron.parallel.fill_drain import forward_outputs, post_loss
 from jaxtron.parallel.pipeline_layout import PipelineSpec, chunked
 
@@ -72,9 +73,10 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
     ``accumulate(acc, grads)`` adds a micro batch's gradients (``(stacked, shared)`` pairs) into the running
     total under 1f1b, whose loop accumulates them itself: a caller whose parameters hold state that combines
     otherwise than by a sum passes its own; the other schedules differentiate their loop, which sums."""
-    if spec.schedule == "1f1b":
+    if spec.schedule in ("1f1b", "zb_h1"):
+        make_tick = zero_bubble.zb_h1_tick if spec.schedule == "zb_h1" else None
         return one_f_one_b.value_and_grad(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro,
-                                          accumulate)
+                                          accumulate, make_tick)
 
     def total(stacked, shared):
         loss, aux = forward_loss(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class PipelineSpec:
     stages: int
     micro_batches: int
-    schedule: str = "1f1b"      # '1f1b' | 'gpipe' | 'circular'
+    schedule: str = "1f1b"      # '1f1b' | 'gpipe' | 'circular' | 'zb_h1'
     virtual_stages: int = 1     # circular only
     gather_fsdp: bool = False   # gather the stage's weights over 'fsdp' once per step, not per tick
     recompute: bool = False     # keep only each tick's stage input and run the stage's forward again in its backward
@@ -43,13 +43,16 @@ class PipelineSpec:
     @property
     def ticks(self) -> int:
         s, m, v = self.stages, self.micro_batches, self.chunks_per_device
-        return m + 2 * s - 2 if self.schedule == "1f1b" else v * m + s - 1
+        return m + 2 * s - 2 if self.schedule in ("1f1b", "zb_h1") else v * m + s - 1
 
     @property
     def bubble(self) -> float:
         """Idle fraction: (S-1)/(V*M+S-1) (V = 1 but for circular; 1f1b's fill and drain ticks run only a
-        forward or only a backward, so its M + 2S - 2 ticks last as long as M + S - 1 full ones)."""
+        forward or only a backward, so its M + 2S - 2 ticks last as long as M + S - 1 full ones); zb_h1's
+        (S-1)/(3M+S-1), with F, B and W one unit each (:func:`jaxtron.parallel.zero_bubble.zb_h1_table`)."""
         s, m, v = self.stages, self.micro_batches, self.chunks_per_device
+        if self.schedule == "zb_h1":
+            return (s - 1) / (3 * m + s - 1)
         return (s - 1) / (v * m + s - 1)
 
 

@@ -1,13 +1,18 @@
-"""The ZB-H1 tick table (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"), in the lockstep ticks of
-jaxtron's 1f1b loop: which micro batch each stage runs F (forward), B (backward to the stage's input, which
+"""The ZB-H1 schedule (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): its tick table in the lockstep ticks
+of jaxtron's 1f1b loop, which micro batch each stage runs F (forward), B (backward to the stage's input, which
 the previous stage needs now) and W (backward to the weights, which nothing waits for) on at each tick.
 
-A pure function, not yet a schedule the pipeline runs (``parallel.pipeline_schedule`` has no ``zb_h1``): running
-it needs the stage's backward split into a B that keeps, per micro batch, the cotangents W will read (the
-outputs' cotangents of every matmul in the stage), which jaxtron's stage VJP does not expose yet.
+``parallel.pipeline_schedule=zb_h1`` runs the table in 1f1b's loop (:func:`zb_h1_tick`): F keeps the stage's VJP
+residuals, B applies them to the output cotangent for the input cotangent only and stores that output cotangent
+in a slot beside the residuals, W applies them again to the stored cotangent for the weight gradient. The
+stage's VJP is not split per matmul, so W runs the chain of input cotangents through the stage's layers again
+(every layer's but the first one's): a stage's backward costs B + W = 3 units of matmul work instead of 2. The
+table's bubble assumes W costs 1 unit. Measured (python -m jaxtron.plan, H100, tiny model, 2 stages, 64 micro
+batches): 2.04x 1f1b's counted dot FLOPs (the planner counts each of the loop body's two W slots whole) and twice
+its step time: correct, not faster until B keeps each matmul's output cotangent (docs/parallelism.md).
 
-The ticks. As in 1f1b (:mod:`jaxtron.parallel.one_f_one_b`), stage s runs F of micro batch m at tick m + s and B at
-tick m + 2S - 2 - s; all stages run each tick together, so a tick lasts as long as its busiest stage. With F,
+The ticks. As in 1f1b (:mod:`jaxtron.parallel.one_f_one_b`), stage s runs F of micro batch m at tick m + s and B
+at tick m + 2S - 2 - s; all stages run each tick together, so a tick lasts as long as its busiest stage. With F,
 B and W one time unit each (the paper's assumption), 1f1b runs W with B: its S - 1 fill ticks last 1, its M
 full ticks 3 and its S - 1 drain ticks 2 (B and W), (S-1)/(M+S-1) idle. Here B leaves W behind: stage 0, which
 is never idle after its first B, runs W with each B (it has no later idle tick to put W in); every other
@@ -23,6 +28,15 @@ if a W is left over). The price is memory: a stage holds a micro batch's residua
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxtron.parallel.one_f_one_b import TickContext
+from jaxtron.parallel.pipeline_layout import log_memory, nbytes, tree_index
+from jaxtron.parallel.residuals import KeptVJP
 
 
 @dataclass(frozen=True)
@@ -92,3 +106,112 @@ def zb_h1_table(stages: int, micro_batches: int) -> TickTable:
     peak = tuple(max(sum(1 for m in range(M) if m + s <= t <= w_tick[s][m]) for t in range(T)) for s in range(S))
     total = sum(lengths)
     return TickTable(S, M, tuple(tuple(row) for row in work), tuple(lengths), 1.0 - 3 * M / total, peak)
+
+
+def tick_arrays(table: TickTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The table as arrays a compiled loop indexes by (tick, stage): F's and B's micro batch ([T, S], -1 where
+    none), the W's ([T, S, K], K the most W's a stage runs in a tick, -1 padding), and the slots a stage needs
+    to hold a micro batch's residuals from its F to its W: one more than the longest such span, so that the F
+    of micro batch m + slots, which reuses m's slot, comes after m's W."""
+    T, S = len(table.work), table.stages
+    K = max(len(ws) for row in table.work for _, _, ws in row)
+    f_at, b_at, w_at = (np.full(shape, -1, np.int32) for shape in ((T, S), (T, S), (T, S, K)))
+    span = 0
+    for t, row in enumerate(table.work):
+        for s, (f, b, ws) in enumerate(row):
+            f_at[t, s] = -1 if f is None else f
+            b_at[t, s] = -1 if b is None else b
+            w_at[t, s, :len(ws)] = ws
+            span = max([span] + [t - (m + s) for m in ws])   # F of m on stage s ran at tick m + s
+    return f_at, b_at, w_at, span + 1
+
+
+def zb_h1_tick(c: TickContext):
+    """The ZB-H1 tick, in the 1f1b loop (:func:`jaxtron.parallel.one_f_one_b.value_and_grad`): F as 1f1b's
+    (keeping the stage's VJP residuals), B the stage's backward to its input only (the pullback's weight part
+    is dead code there, which XLA removes), and the table's W's: the pullback again from the kept residuals and
+    the output cotangent B stored, its input part dead. W therefore runs the stage's input-cotangent matmuls a
+    second time (every layer's but the first one's, which only the input needs): the chain of cotangents through
+    the stage's layers that B computed is not kept, which would need the stage's VJP split per matmul."""
+    S = c.spec.stages
+    f_np, b_np, w_np, R = tick_arrays(zb_h1_table(S, c.spec.micro_batches))
+    f_at, b_at, w_at = jnp.asarray(f_np), jnp.asarray(b_np), jnp.asarray(w_np)
+    is_first, is_last = c.s == 0, c.s == S - 1
+
+    def f(params, x_in, m, _select):
+        """The stage's part before the loss: ((output, objective term), report)."""
+        local, shared = params
+        mb = tree_index(c.micro, m)
+        # Every stage runs the embedding (a gather; with leading dense stacks, those too): 1f1b's lax.cond on
+        # the stage index fails XLA's verifier here (data 2 x tensor 2): in the W tick's transpose of that cond
+        # one branch gives the embedding's cotangent replicated, the other vocab-sharded over tensor.
+        x0 = jnp.where(is_first, c.pre(shared, mb), x_in)
+        y, (obj, report) = c.stage(local, x0, mb)
+        return (y, obj), report
+
+    params = (c.local, c.shared)
+    kept = KeptVJP(f, params, c.zeros_x, jnp.zeros((), jnp.int32))
+    obj_one = jnp.ones((), jax.eval_shape(f, params, c.zeros_x, 0, ())[0][1].dtype)
+    log_memory(c.spec, R, kept.kept_bytes() + nbytes(c.zeros_x), "the stage's VJP residuals and output cotangent")
+    ring0 = (tuple(jnp.zeros((R,) + a.shape, a.dtype) for a in kept.kept_shapes),
+             jnp.zeros((R,) + c.zeros_x.shape, c.zeros_x.dtype))
+    no_local = jax.tree.map(jnp.zeros_like, c.local)
+
+    def slot_of(ring, m):
+        return tuple(lax.dynamic_index_in_dim(r, m % R, 0, keepdims=False) for r in ring)
+
+    def tick(carry, t):
+        fwd_in, bwd_in, (ring, dys), grads, (sums, report) = carry
+        m_f = f_at[t, c.s]
+        mf = jnp.maximum(m_f, 0)
+
+        def forward():
+            (y, _), rep, res = kept.forward(params, fwd_in, mf)
+            return y, rep, res
+
+        def skip_forward():
+            return c.zeros_x, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), report), \
+                tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
+
+        y, rep, res = lax.cond(m_f >= 0, forward, skip_forward)
+        report = jax.tree.map(lambda r, a: r.at[c.s].add(a), report, rep)
+        # A skipped F writes zeros into slot (t - s) mod R, whose last user's W ran at least a tick ago (R is
+        # one more than the longest F-to-W span), as in 1f1b's ring.
+        ring = tuple(lax.dynamic_update_index_in_dim(r, a, (t - c.s) % R, 0) for r, a in zip(ring, res))
+
+        m_b = b_at[t, c.s]
+        mb_i = jnp.maximum(m_b, 0)
+
+        def backward(grads, sums):
+            mb = tree_index(c.micro, mb_i)
+
+            def head():  # the last stage's backward starts at the loss, on its own forward of this tick
+                loss, pull, aux = jax.vjp(lambda sh, y: c.post(sh, y, mb), c.shared, y, has_aux=True)
+                d_shared, dy = pull(jnp.ones((), loss.dtype))
+                return dy, d_shared, aux
+
+            def from_next():
+                return bwd_in, jax.tree.map(jnp.zeros_like, c.shared), c.zero_aux
+
+            dy, d_post, aux = lax.cond(is_last, head, from_next)
+            _, dx = kept.backward(params, slot_of(ring, mb_i), mb_i, (dy, obj_one))
+            grads = c.add_grads(grads, (no_local, d_post))
+            return grads, jax.tree.map(jnp.add, sums, aux), dx, dy
+
+        grads, sums, dx, dy = lax.cond(m_b >= 0, backward, lambda g, a: (g, a, c.zeros_x, c.zeros_x), grads, sums)
+        slot_b = mb_i % R
+        dys = lax.dynamic_update_index_in_dim(dys, jnp.where(m_b >= 0, dy, dys[slot_b]), slot_b, 0)
+
+        for k in range(w_np.shape[2]):
+            m_w = w_at[t, c.s, k]
+            mw = jnp.maximum(m_w, 0)
+
+            def weights(grads, mw=mw):
+                d_params, _ = kept.backward(params, slot_of(ring, mw), mw, (dys[mw % R], obj_one))
+                return c.add_grads(grads, d_params)
+
+            grads = lax.cond(m_w >= 0, weights, lambda g: g, grads)
+        fwd_next, bwd_next = c.send(y, dx)
+        return (fwd_next, bwd_next, (ring, dys), grads, (sums, report)), None
+
+    return tick, ring0

@@ -138,7 +138,7 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     if layout.stages > 1 and cfg.parallel.pipeline_recompute:
         saved += 2 * layout.stages * tokens * m.hidden_size * 2
     elif layout.stages > 1:
-        in_flight = (2 * layout.stages - 1 if cfg.parallel.pipeline_schedule == "1f1b"
+        in_flight = (2 * layout.stages - 1 if cfg.parallel.pipeline_schedule in ("1f1b", "zb_h1")
                      else layout.accumulation_steps)
         saved *= in_flight
     working = _working_bytes(cfg, layout, tokens, sp)
