@@ -139,7 +139,9 @@ class ModelConfig:
                                    "(MaxText's num_vocab_tiling); a chunk's logits take loss_chunk_tokens x "
                                    "vocab_size / parallel.tensor x 4 bytes. The head is gathered over FSDP once "
                                    "per micro batch and its fp32 gradient accumulated whole. 0: off, the whole "
-                                   "micro batch's logits at once. Same loss and gradients up to fp32 rounding.")
+                                   "micro batch's logits at once. Same loss and gradients up to fp32 rounding. "
+                                   "Off by default: on Llama-3-8B, fsdp 8, micro batch 1 x 8192 the planner "
+                                   "predicts 8192-token chunks 1% slower at the same peak memory.")
     qkv_bias: bool = _f(False, "Bias on the Q/K/V projections (Qwen2).")
     qk_norm: bool = _f(False, "RMSNorm over head_dim of every query and key head before RoPE, with weights "
                               "[head_dim] shared by the heads and eps rms_norm_eps (Qwen3).")
