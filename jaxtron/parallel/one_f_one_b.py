@@ -82,6 +82,19 @@ class TickContext:
     def add_grads(self, grads, d):
         return self.accumulate(grads, jax.tree.map(lambda g, x: x.astype(g.dtype), grads, d))
 
+    def output_cotangent(self, is_last, y, mb, bwd_in):
+        """(dy, the head's gradient to the shared leaves, loss aux) for this tick's backward: the last stage's
+        starts at the loss, on its own forward of this tick; the others take the cotangent the next stage sent."""
+        def head():
+            loss, pull, aux = jax.vjp(lambda sh, y: self.post(sh, y, mb), self.shared, y, has_aux=True)
+            d_shared, dy = pull(jnp.ones((), loss.dtype))
+            return dy, d_shared, aux
+
+        def from_next():
+            return bwd_in, jax.tree.map(jnp.zeros_like, self.shared), self.zero_aux
+
+        return lax.cond(is_last, head, from_next)
+
     def send(self, y, dx):
         """Activations one stage on, cotangents one stage back (the ends send nothing)."""
         S = self.spec.stages
@@ -149,16 +162,7 @@ def _kept_tick(c: TickContext):
 
         def backward(grads, sums):
             mb = tree_index(c.micro, mb_i)
-
-            def head():  # the last stage's backward starts at the loss, on its own forward of this tick
-                loss, pull, aux = jax.vjp(lambda sh, y: c.post(sh, y, mb), c.shared, y, has_aux=True)
-                d_shared, dy = pull(jnp.ones((), loss.dtype))
-                return dy, d_shared, aux
-
-            def from_next():
-                return bwd_in, jax.tree.map(jnp.zeros_like, c.shared), c.zero_aux
-
-            dy, d_post, aux = lax.cond(is_last, head, from_next)
+            dy, d_post, aux = c.output_cotangent(is_last, y, mb, bwd_in)
             slot = tuple(lax.dynamic_index_in_dim(r, jnp.mod(mb_i, R), 0, keepdims=False) for r in ring)
             (d_local, d_shared), dx = kept.backward(params, slot, mb_i, (dy, jnp.ones((), obj_dtype)))
             d_shared = jax.tree.map(jnp.add, d_shared, d_post)

@@ -184,16 +184,7 @@ def zb_h1_tick(c: TickContext):
 
         def backward(grads, sums):
             mb = tree_index(c.micro, mb_i)
-
-            def head():  # the last stage's backward starts at the loss, on its own forward of this tick
-                loss, pull, aux = jax.vjp(lambda sh, y: c.post(sh, y, mb), c.shared, y, has_aux=True)
-                d_shared, dy = pull(jnp.ones((), loss.dtype))
-                return dy, d_shared, aux
-
-            def from_next():
-                return bwd_in, jax.tree.map(jnp.zeros_like, c.shared), c.zero_aux
-
-            dy, d_post, aux = lax.cond(is_last, head, from_next)
+            dy, d_post, aux = c.output_cotangent(is_last, y, mb, bwd_in)
             _, dx = kept.backward(params, slot_of(ring, mb_i), mb_i, (dy, obj_one))
             grads = c.add_grads(grads, (no_local, d_post))
             return grads, jax.tree.map(jnp.add, sums, aux), dx, dy
