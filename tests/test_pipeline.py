@@ -4,7 +4,9 @@ For every case the fp32 gradient of the whole batch at the initial parameters (l
 losses and gradient norms of 3 optimizer steps with a non-zero learning rate from step 0 equal the
 single-device run (plain gradient accumulation over the same micro batches) to 1e-5 relative
 (``helpers.assert_same_training``). The 1f1b schedule's compiled temp memory does not grow with the number of
-micro batches; a checkpoint saved with 2 stages restores with 1 and vice versa.
+micro batches; a checkpoint saved with 2 stages restores with 1 and vice versa. With bf16 compute on fp32
+master weights, train.cast_params_once (weights cast once per step, not per tick) trains bit-equal to the
+per-use casts and leaves no weight cast inside the tick loops.
 """
 
 import logging
@@ -216,3 +218,78 @@ def test_1f1b_runs_each_stage_forward_once():
 
     ratio = flops("false") / flops("true")
     assert 0.74 < ratio < 0.80, ratio
+
+
+# bf16 compute on fp32 master weights, stage 2 x fsdp 2 (4 micro batches of 2 rows per FSDP rank); 24 positions,
+# so that no activation has a weight's shape (the cast count tells them apart by shape)
+BF16_S2_F2 = ("model.dtype=bfloat16", "data.seq_len=24", "parallel.stage=2", "parallel.fsdp=2", "parallel.data=1",
+              "train.micro_batch_size=2")
+# 1f1b: the bf16 copy gathered once per step; zb_h1 and gpipe: gathered in each tick (gpipe casts in its loop)
+CAST_CASES = [("1f1b", ("parallel.pipeline_fsdp_gather_once=true",)), ("zb_h1", ()), ("gpipe", ())]
+
+
+def _cast_config(schedule: str, once: bool, *overrides: str):
+    return pipe_config(4, 4, *BF16_S2_F2, f"parallel.pipeline_schedule={schedule}",
+                       f"train.cast_params_once={str(once).lower()}", *overrides)
+
+
+@pytest.mark.parametrize("schedule,extra", CAST_CASES, ids=[c[0] for c in CAST_CASES])
+def test_pipeline_cast_once_trains_as_cast_per_use(schedule, extra):
+    """train.cast_params_once in a pipeline: the weights cast once per step (1f1b / zb_h1: before the tick loop and
+    before the once-per-step FSDP gather; gpipe: inside its loop, before the ticks) train exactly as the per-use
+    casts in every tick: the same bf16 products, each micro batch's bf16 weight gradient converted to fp32
+    before the fp32 sum. Bit-equal gradients (every leaf), losses and gradient norms over 2 steps."""
+    once, per_use = (training_record(_cast_config(schedule, o, *extra), jax.devices()[:4], steps=2)
+                     for o in (True, False))
+    np.testing.assert_array_equal(once["losses"], per_use["losses"])
+    np.testing.assert_array_equal(once["grad_norms"], per_use["grad_norms"])
+    for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(per_use["grads"]), jax.tree.leaves(once["grads"])):
+        np.testing.assert_array_equal(a, e, err_msg=jax.tree_util.keystr(path))
+
+
+def _weight_casts_in_tick_loop(schedule: str, once: bool) -> int:
+    """fp32 -> bf16 conversions of a weight (a layer's slice, a stage's chunk, or a shared leaf) inside a loop of
+    the pipeline's shard_map in the traced train step (the tick loops, forward and backward, and the loss head's
+    loop over micro batches): each runs once per tick (counted in the jaxpr, nested calls included)."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    cfg = _cast_config(schedule, once)
+    run = Trainer(cfg, jax.devices()[:4])
+    params = jax.tree.leaves(run.spec.abstract_state["params"])
+    layers = cfg.model.num_layers
+    shapes = {tuple(p.shape) for p in params} | {tuple(p.shape[1:]) for p in params if p.shape[:1] == (layers,)} \
+        | {(layers // 2, *p.shape[1:]) for p in params if p.shape[:1] == (layers,)}
+    batch = put_batch(synthetic_batch(cfg, 0), run.batch_sharding)
+
+    def subs(eqn):
+        for v in eqn.params.values():
+            for j in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(j, (Jaxpr, ClosedJaxpr)):
+                    yield getattr(j, "jaxpr", j)
+
+    def count(jaxpr, in_map: bool, in_loop: bool) -> int:
+        n = 0
+        made_by = {v: eqn.primitive.name for eqn in jaxpr.eqns for v in eqn.outvars}
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "convert_element_type" and in_loop:
+                aval = eqn.invars[0].aval
+                # a weight gradient a backward matmul makes in fp32 and rounds to the bf16 weight's cotangent is
+                # the same either way: not a cast of the weight
+                n += (aval.dtype == np.float32 and eqn.params["new_dtype"] == jax.numpy.bfloat16
+                      and tuple(aval.shape) in shapes and made_by.get(eqn.invars[0]) != "dot_general")
+            for sub in subs(eqn):
+                n += count(sub, in_map or name == "shard_map", in_loop or (in_map and name == "scan"))
+        return n
+
+    return count(run.train_step.trace(run.state, batch).jaxpr.jaxpr, False, False)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_casts_no_weight_inside_the_tick_loop(schedule):
+    """Cast per use, every tick converts the stage's weights (and the first and last stage the embedding and the
+    head); with train.cast_params_once none is converted inside the loops."""
+    per_use, once = _weight_casts_in_tick_loop(schedule, False), _weight_casts_in_tick_loop(schedule, True)
+    print(f"fp32 -> bf16 weight casts inside the {schedule} loops: per use {per_use}, cast once {once}")
+    assert per_use >= 7, per_use  # wq wk wv wo, gate up down: at least once each per tick
+    assert once == 0, once

@@ -193,7 +193,11 @@ class TrainConfig:
                                       "embedding, an untied LM head) once per step, before the gradient-"
                                       "accumulation loop, instead of at each use in every micro batch: same "
                                       "numbers; the step holds the cast copy, sharded as the params. Pipelines "
-                                      "(parallel.stage > 1) cast per use regardless.")
+                                      "(parallel.stage > 1) cast once per step too: 1f1b and zb_h1 before the "
+                                      "tick loop, so that FSDP gathers (parallel.pipeline_fsdp_gather_once's "
+                                      "too) move model.dtype; gpipe and circular inside their loop, before the "
+                                      "ticks (their gathers still move fp32; with parallel.pipeline_recompute "
+                                      "their stage weights are cast per tick).")
 
 
 @dataclass

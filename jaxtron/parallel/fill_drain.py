@@ -35,15 +35,26 @@ from jaxtron.parallel.pipeline_layout import (AXIS, PipelineSpec, in_stage_rules
 from jaxtron.parallel.residuals import KeptVJP
 
 
+def cast_to(tree: Any, dtypes: Any) -> Any:
+    """``tree`` with each leaf cast to the dtype at its place in ``dtypes`` (a tree of the same structure; a
+    leaf's own dtype keeps it); ``dtypes`` None: ``tree`` as it is."""
+    return tree if dtypes is None else jax.tree.map(lambda a, d: a.astype(d), tree, dtypes)
+
+
 def _kept_loop(spec: PipelineSpec, rules, stage: Callable, act_dtype, local: Any, x0: jax.Array, micro: dict,
-               no_side: Any, report0: Any) -> Callable:
+               no_side: Any, report0: Any, local_dtypes: Any = None) -> Callable:
     """The gpipe/circular tick loop of one device, ``loop(local, xs, micro, s) -> (outs, obj, report)``, with a
     backward written out: its forward keeps each tick's micro-batch-dependent VJP residuals (:class:`KeptVJP`,
     stacked over ticks) and the backward runs the ticks in reverse, applying them (no stage forward runs
     twice). Autodiff of the loop would not: a tick's ``lax.cond`` (fill and drain ticks skip the stage) and
     circular's tick-dependent chunk index make the weights' casts residuals of every tick; here the weights
     are one residual of the whole loop and the chunk index is a ``select`` whose weight residuals are made
-    again in the backward."""
+    again in the backward.
+
+    ``local_dtypes`` (``train.cast_params_once``: the compute dtype of each leaf the model casts at use): the
+    forward and the backward each cast the stage's weights once, before their tick loop, instead of in every
+    tick; each tick's gradient of the cast copy is converted to the weight's dtype before the sum over ticks,
+    as the per-use cast's transpose does, so the numbers are the per-use cast's."""
     S, M, V, T = spec.stages, spec.micro_batches, spec.chunks_per_device, spec.ticks
     ring = [(j, (j + 1) % S) for j in range(S)]
     back_ring = [((j + 1) % S, j) for j in range(S)]
@@ -54,7 +65,7 @@ def _kept_loop(spec: PipelineSpec, rules, stage: Callable, act_dtype, local: Any
         return (y.astype(x.dtype), obj), report
 
     i0 = jnp.zeros((), jnp.int32)
-    kept = KeptVJP(chunk, local, x0, (i0, micro), i0)
+    kept = KeptVJP(chunk, cast_to(local, local_dtypes), x0, (i0, micro), i0)
     no_res = lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
 
     def where_tick(t, s):
@@ -69,6 +80,8 @@ def _kept_loop(spec: PipelineSpec, rules, stage: Callable, act_dtype, local: Any
         return (s == 0) & (il >= 0) & (il < (V - 1) * M), jnp.clip(il, 0, V * M - 1) % M
 
     def forward(local, xs, micro, s):
+        local = cast_to(local, local_dtypes)  # once for all the ticks (the per-use casts: in each)
+
         def tick(carry, t):
             cur, loop_buf, outs, obj, report = carry
             valid, v, m = where_tick(t, s)
@@ -106,7 +119,8 @@ def _kept_loop(spec: PipelineSpec, rules, stage: Callable, act_dtype, local: Any
     def bwd(saved, cts):                                 # rules: the stage must trace as in the forward
         """The forward's ticks transposed, last tick first: the loop buffer's and ppermute's transposes, the
         output slot's cotangent, the stage's VJP from the kept residuals, and the input select's transpose."""
-        local, micro, s, res = saved
+        weights, micro, s, res = saved
+        local = cast_to(weights, local_dtypes)
         ct_outs, ct_obj, _ = cts   # the report has no gradient (forward_loss stops it)
 
         def rtick(carry, inp):
@@ -122,7 +136,8 @@ def _kept_loop(spec: PipelineSpec, rules, stage: Callable, act_dtype, local: Any
             ct_y = ct_y + jnp.where(done, ct_outs[m], 0)
             d_l, ct_x = lax.cond(valid, lambda: kept.backward(local, res_t, (m, micro), (ct_y, ct_obj), v),
                                  lambda: (jax.tree.map(jnp.zeros_like, local), ct_y))   # skipped: y = x_in
-            d_local = jax.tree.map(jnp.add, d_local, d_l)
+            # each tick's gradient of the cast copy in the weights' dtype before the sum (fp32 master weights)
+            d_local = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), d_local, d_l)
             ct_first = jnp.where(s == 0, ct_x, 0)
             ct_cur = jnp.where(s == 0, 0, ct_x)
             if V > 1:
@@ -133,7 +148,7 @@ def _kept_loop(spec: PipelineSpec, rules, stage: Callable, act_dtype, local: Any
             return (ct_cur, ct_loop_buf, d_local, d_xs), None
 
         zeros = jnp.zeros_like(ct_outs[0])
-        carry = (zeros, jnp.zeros_like(ct_outs) if V > 1 else None, jax.tree.map(jnp.zeros_like, local),
+        carry = (zeros, jnp.zeros_like(ct_outs) if V > 1 else None, jax.tree.map(jnp.zeros_like, weights),
                  jnp.zeros_like(ct_outs))
         (_, _, d_local, d_xs), _ = lax.scan(rtick, carry, (jnp.arange(T), res), reverse=True)
         return d_local, d_xs, None, None
@@ -143,10 +158,12 @@ def _kept_loop(spec: PipelineSpec, rules, stage: Callable, act_dtype, local: Any
 
 
 def forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chunks: Any, xs: jax.Array,
-                     micro: dict, act_dtype, log_kept: bool):
+                     micro: dict, act_dtype, log_kept: bool, chunk_dtypes: Any = None):
     """Run the stage loop on embedded micro batches xs [M, mb, seq, d]: the last chunk's outputs [M, ...],
     split over ``stage`` along M when S divides M (else replicated), the sum of the stages' objective terms
-    and their per-layer reports summed over micro batches (layer order)."""
+    and their per-layer reports summed over micro batches (layer order). ``chunk_dtypes``: see
+    :func:`_kept_loop` (the loop that keeps residuals casts the weights once; the recomputing loop, which
+    autodiff differentiates, would sum a cast copy's gradients over ticks in bf16: it casts per use)."""
     S, M, V = spec.stages, spec.micro_batches, spec.chunks_per_device
     split_out = M % S == 0
 
@@ -168,7 +185,8 @@ def forward_outputs(spec: PipelineSpec, mesh: Mesh, rules, stage: Callable, chun
         no_side, report0 = side_zeros(stage, tree_index(local, 0), xs[0].astype(act_dtype), tree_index(micro, 0),
                                       S * V)
         if not spec.recompute:
-            loop, kept = _kept_loop(spec, rules, stage, act_dtype, local, xs[0], micro_in, no_side, report0)
+            loop, kept = _kept_loop(spec, rules, stage, act_dtype, local, xs[0], micro_in, no_side, report0,
+                                    chunk_dtypes)
             if log_kept:
                 log_memory(spec, spec.ticks, kept.kept_bytes(), "the stage's VJP residuals (every tick's)")
             return _gathered(*loop(local, xs, micro_in, s))
@@ -244,10 +262,13 @@ def _zeros_like_out(fn: Callable, *args) -> Callable:
     return lambda lead: jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), out)
 
 
-def post_loss(spec: PipelineSpec, post: Callable, shared: Any, outs: jax.Array, micro: dict):
+def post_loss(spec: PipelineSpec, post: Callable, shared: Any, outs: jax.Array, micro: dict,
+              shared_dtypes: Any = None):
     """(loss, aux) summed over micro batches. Its VJP is computed in the forward, in the same loop as the loss
     (one pass of the head per micro batch instead of a forward and a rematerialized one), which also leaves
-    no second loop of collectives independent of the backward. ``aux`` is for reporting: it has no gradient."""
+    no second loop of collectives independent of the backward. ``aux`` is for reporting: it has no gradient.
+    ``shared_dtypes``: cast the head's weights once, before the loop (each micro batch's gradient of the cast
+    copy goes to fp32 before the sum, as with the per-use casts)."""
     mb0 = tree_index((outs, micro), 0)
     dtypes = jax.tree.map(lambda p: p.dtype, shared)
 
@@ -261,9 +282,11 @@ def post_loss(spec: PipelineSpec, post: Callable, shared: Any, outs: jax.Array, 
 
     @jax.custom_vjp
     def total(shared, outs):
+        shared = cast_to(shared, shared_dtypes)
         return _over_micro(spec, value, shared, outs, micro, _zeros_like_out(post, shared, *mb0))[0]
 
     def fwd(shared, outs):
+        shared = cast_to(shared, shared_dtypes)
         (sums, d_shared), d_outs = _over_micro(spec, value_and_grad, shared, outs, micro,
                                                _zeros_like_out(lambda *a: value_and_grad(*a)[0], shared, *mb0))
         return sums, (d_shared, d_outs)

@@ -40,10 +40,14 @@ from jaxtron.parallel.pipeline_layout import PipelineSpec, chunked
 
 
 def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
-                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict, log_memory: bool = True):
+                 stacked: Any, stacked_specs: Any, shared: Any, micro: dict, log_memory: bool = True,
+                 compute_dtypes: Any = None):
     """``(loss, (aux, report))`` summed over the micro batches, through the gpipe/circular forward loop: the
     loss includes the stages' objective terms; ``report`` is theirs in layer order. Differentiable.
-    ``log_memory``: log what differentiating it keeps (False for a forward that is not differentiated)."""
+    ``log_memory``: log what differentiating it keeps (False for a forward that is not differentiated).
+    ``compute_dtypes``: ``(stacked, shared)`` trees of the dtype each leaf is cast to once inside the loops
+    (the stage loop that keeps residuals, the loss head's loop; see :data:`CAST_BEFORE_LOOP`), or None."""
+    stacked_dtypes, shared_dtypes = (None, None) if compute_dtypes is None else compute_dtypes
     chunks = chunked(stacked, stacked_specs, spec, mesh)
     xs = jax.vmap(pre, in_axes=(None, 0))(shared, micro)                      # [M, mb, seq, d]
     dtype = xs.dtype
@@ -51,9 +55,24 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
         # XLA:CPU's bf16 all-reduce rewrite (ChangeOpDataType) aborts on the stage reductions of 16-bit
         # arrays at this boundary, so on CPU they cross it in fp32.
         xs = xs.astype(jnp.float32)
-    outs, obj, report = forward_outputs(spec, mesh, rules, stage, chunks, xs, micro, dtype, log_memory)
-    loss, aux = post_loss(spec, post, shared, outs.astype(dtype), micro)
+    outs, obj, report = forward_outputs(spec, mesh, rules, stage, chunks, xs, micro, dtype, log_memory,
+                                        stacked_dtypes)
+    loss, aux = post_loss(spec, post, shared, outs.astype(dtype), micro, shared_dtypes)
     return loss + obj, (aux, jax.tree.map(lax.stop_gradient, report))
+
+
+# ``train.cast_params_once`` in a pipeline: the weights the model casts at use are cast once per step, not per
+# tick, and each micro batch's gradient of the cast copy is converted to fp32 before the fp32 sum over micro
+# batches (the numbers of the per-use casts, whose transposes do that). The schedules here sum the micro
+# batches' gradients in their own loop, converting each first (one_f_one_b.TickContext.add_grads into an fp32
+# carry): they take the copy cast before the loop, sharded as the params, so that under FSDP every gather of a
+# weight (per tick, or once per step with parallel.pipeline_fsdp_gather_once) moves the compute dtype. gpipe and
+# circular sum a weight's gradients over ticks in the backward of their loop, in the dtype of the loop's
+# weights: their loop that keeps residuals (and the loss head's loop) takes the fp32 weights and casts them once
+# inside, before its ticks, and sums the ticks' gradients in fp32 (fill_drain._kept_loop); their FSDP gathers
+# (before the loop with gather_once) still move fp32, and their recomputing loop
+# (parallel.pipeline_recompute=true), which autodiff differentiates, casts the stage weights per tick.
+CAST_BEFORE_LOOP = ("1f1b", "zb_h1")
 
 
 def add_grads(acc: Any, grads: Any) -> Any:
@@ -62,7 +81,8 @@ def add_grads(acc: Any, grads: Any) -> Any:
 
 
 def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
-                   stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable = add_grads):
+                   stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable = add_grads,
+                   compute_dtypes: Any = None):
     """``((aux_sums, report), (grads_stacked, grads_shared))`` of the summed loss over ``micro`` ([M, mb, seq]
     arrays).
 
@@ -72,14 +92,20 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
     ``stacked_specs`` are the PartitionSpecs of the stacked leaves (leading axis over 'stage').
     ``accumulate(acc, grads)`` adds a micro batch's gradients (``(stacked, shared)`` pairs) into the running
     total under 1f1b, whose loop accumulates them itself: a caller whose parameters hold state that combines
-    otherwise than by a sum passes its own; the other schedules differentiate their loop, which sums."""
-    if spec.schedule in ("1f1b", "zb_h1"):
+    otherwise than by a sum passes its own; the other schedules differentiate their loop, which sums.
+    ``compute_dtypes``: for gpipe/circular, see :func:`forward_loss`; the schedules of :data:`CAST_BEFORE_LOOP` take
+    ``stacked`` and ``shared`` already cast instead (their gradients come back in fp32 all the same)."""
+    if spec.schedule in CAST_BEFORE_LOOP:
+        if compute_dtypes is not None:
+            raise ValueError(f"pipeline.value_and_grad: {spec.schedule} takes the weights already cast, not "
+                             "compute_dtypes")
         make_tick = zero_bubble.zb_h1_tick if spec.schedule == "zb_h1" else None
         return one_f_one_b.value_and_grad(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro,
                                           accumulate, make_tick)
 
     def total(stacked, shared):
-        loss, aux = forward_loss(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro)
+        loss, aux = forward_loss(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro,
+                                 compute_dtypes=compute_dtypes)
         return loss, aux
 
     (_, aux), grads = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(stacked, shared)

@@ -85,20 +85,30 @@ def _stacked_specs(param_shardings: dict):
 
 
 def pipelined_value_and_grad(layout, graphdef, terms: StageTerms, param_shardings: dict, loss_sums: Callable,
-                             segments: Callable, params: dict, batch: dict, accumulate: Optional[Callable] = None):
+                             segments: Callable, params: dict, batch: dict, accumulate: Optional[Callable] = None,
+                             compute_dtypes: Optional[dict] = None):
     """((loss sum, tokens, aux), fp32 grads) of the whole batch through the pipeline schedule, its micro batches
     as in gradient accumulation (``accumulate(acc, grads)`` on params-shaped trees: see
-    ``pipeline.value_and_grad``; default a sum)."""
+    ``pipeline.value_and_grad``; default a sum). ``compute_dtypes`` (``train.cast_params_once``): a params-shaped
+    tree of the dtype the model casts each leaf to at its use (a leaf's own dtype: not cast); the weights are
+    then cast once per step instead of in every tick, with the per-use casts' numbers (see
+    ``pipeline.CAST_BEFORE_LOOP``)."""
     pre, stage, post = _parts(graphdef, terms, params, loss_sums, segments)
-    stacked, shared = _split_stacked(params)
     spec = layout.pipeline()
+    dtypes = None if compute_dtypes is None else _split_stacked(compute_dtypes)
+    if dtypes is not None and spec.schedule in pipeline.CAST_BEFORE_LOOP:
+        # sharded as the params: each rank casts its shard, and the gathers of the chunks move the cast copy
+        params = jax.lax.with_sharding_constraint(jax.tree.map(lambda a, d: a.astype(d), params, compute_dtypes),
+                                                  param_shardings)
+        dtypes = None
+    stacked, shared = _split_stacked(params)
     micro = split_micro(batch, spec.micro_batches)
     joined = lambda pair: {**pair[1], STACKED: pair[0]}
     combine = pipeline.add_grads if accumulate is None else \
         (lambda acc, g: _split_stacked(accumulate(joined(acc), joined(g))))
     (sums, report), (g_stacked, g_shared) = pipeline.value_and_grad(
         spec, layout.mesh, layout.rules, pre, stage, post, stacked, _stacked_specs(param_shardings), shared, micro,
-        combine)
+        combine, dtypes)
     return _with_report(terms, sums, report), {**g_shared, STACKED: g_stacked}
 
 

@@ -6,7 +6,9 @@ under remat again in the backward. The train step instead casts those weights on
 loop, and differentiates with respect to the cast copy; the model's own casts are then no-ops (``astype`` to
 the dtype an array has already traces to nothing). Under FSDP the copy is sharded as the params, each rank
 casting its shard (XLA:GPU already moved the per-use casts ahead of the all-gathers: they move bf16 either
-way, docs/performance.md).
+way, docs/performance.md). Pipelines (``parallel.stage > 1``) take the same rule as a tree of dtypes
+(:meth:`ParamCast.dtype_tree`) and cast once per step, not per tick, each schedule where its sum over micro
+batches keeps these numbers (jaxtron/parallel/pipeline.py, beside ``CAST_BEFORE_LOOP``).
 
 Which leaves are cast is read from the loss's own trace, so the rule is the model's, not a second list: a
 leaf is cast iff its only use is a conversion to a narrower float dtype (looking through the layer scan's
@@ -101,6 +103,11 @@ class ParamCast:
     @property
     def any(self) -> bool:
         return any(d is not None for d in self.dtypes)
+
+    def dtype_tree(self, params):
+        """A tree like ``params`` of the dtype each leaf is cast to (its own dtype where it is kept)."""
+        leaves = jax.tree.leaves(params)
+        return self.treedef.unflatten([jnp.dtype(p.dtype) if d is None else d for p, d in zip(leaves, self.dtypes)])
 
     def cast(self, params):
         """``params`` with the leaves the loss casts already in the dtype it casts them to."""

@@ -160,6 +160,13 @@ def _custom_sums(loss_fn: Callable, graphdef, params, batch):
     return loss_sum, (loss_sum.astype(jnp.float32), n, sums)
 
 
+def _compute_dtypes(cfg: Config, sums: Callable, params, micro) -> Optional[dict]:
+    """With ``train.cast_params_once``, a params-shaped tree of the dtype ``sums(params, micro)`` casts each leaf
+    to at its use (a leaf's own dtype where it is not cast), for the pipeline; None: nothing to cast."""
+    cast = ParamCast(sums, params, micro) if cfg.train.cast_params_once else None
+    return cast.dtype_tree(params) if cast is not None and cast.any else None
+
+
 def _cast_once(cfg: Config, spec: ModelSpec, sums: Callable, params, micro):
     """``params`` with the leaves ``sums(params, micro)`` casts at their use already cast, once for all the micro
     batches (``train.cast_params_once``; jaxtron/train/param_cast.py), sharded as the params: under FSDP each
@@ -168,6 +175,11 @@ def _cast_once(cfg: Config, spec: ModelSpec, sums: Callable, params, micro):
     if cast is None or not cast.any:  # fp32 compute, or bf16 master weights: nothing to cast
         return params
     return jax.lax.with_sharding_constraint(cast.cast(params), spec.param_shardings)
+
+
+def _micro_struct(batch: dict, micro_batches: int) -> dict:
+    """The shapes of one of ``micro_batches`` micro batches of ``batch`` (what :class:`ParamCast` traces on)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // micro_batches, *x.shape[1:]), x.dtype), batch)
 
 
 def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
@@ -202,10 +214,13 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
         batch = layout.balance(batch)  # context parallelism: each rank's two chunks of every sequence
         if layout.stages > 1:
             segments = (lambda mb: _segments(mb, packed)) if mtp else None
+            # the weights the model casts per use, cast once per step, not per tick (the schedules' own rule for
+            # where, with the per-use numbers: jaxtron/parallel/pipeline.py, CAST_BEFORE_LOOP)
+            dtypes = _compute_dtypes(cfg, sums, params, _micro_struct(batch, layout.accumulation_steps))
             return pipelined_value_and_grad(layout, spec.graphdef, stage_terms(cfg.model), spec.param_shardings,
                                             _last_stage_sums(z_loss, chunk_tokens, segments),
                                             lambda mb: _segments(mb, packed), params, batch,
-                                            spec.histories.accumulate)
+                                            spec.histories.accumulate, dtypes)
         micro = split_micro(batch, accum) if accum > 1 else None
         first = batch if micro is None else jax.tree.map(lambda x: x[0], micro)
         # the weights the loss casts per use, cast once for all the micro batches (jaxtron/train/param_cast.py);
@@ -303,13 +318,14 @@ def make_eval_step(cfg: Config, spec: ModelSpec, layout: Layout):
     def evaluate(params, batch):
         batch = layout.balance(batch)
         with layout.tracing():
-            if layout.stages > 1:
+            sums = lambda p, b: _sums(spec.graphdef, p, b, 0.0, packed, chunk_tokens)  # noqa: E731
+            if layout.stages > 1:  # a forward only: every schedule takes the weights cast once
+                low = _cast_once(cfg, spec, sums, params, _micro_struct(batch, layout.accumulation_steps))
                 _, (ce, n, _) = pipelined_loss(layout, spec.graphdef, stage_terms(cfg.model), spec.param_shardings,
                                                _last_stage_sums(0.0, chunk_tokens),
-                                               lambda mb: _segments(mb, packed), params, batch)
+                                               lambda mb: _segments(mb, packed), low, batch)
                 return {"loss_sum": ce, "tokens": n}
 
-            sums = lambda p, b: _sums(spec.graphdef, p, b, 0.0, packed, chunk_tokens)  # noqa: E731
             micro = split_micro(batch, layout.accumulation_steps)
             params = _cast_once(cfg, spec, sums, params, jax.tree.map(lambda x: x[0], micro))  # as the train step
 
