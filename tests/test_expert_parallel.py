@@ -55,6 +55,9 @@ LAYOUTS = {
     "expert8": ("parallel.expert=8", "parallel.data=1", DP8),
     # the dispatch's shard_map nested in the 1F1B stages' one
     "expert2-stage2-data2": ("parallel.expert=2", "parallel.stage=2", "parallel.data=2", DP4),
+    # sequence parallel: each tensor rank dispatches its own half of the sequence, experts at full width
+    "expert2-fsdp2-tensor2-sp": ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1",
+                                 "parallel.sequence_parallel=true", DP4),
 }
 # ("parallel.expert=2", "parallel.context=2", "parallel.data=2", DP4), the sequence split over context inside
 # the dispatch, passed the same test in a one-off run; it is left out for CI time (about a minute per layout)
@@ -62,7 +65,7 @@ slow = lambda name: pytest.param(name, marks=pytest.mark.slow)  # noqa: E731
 
 
 @pytest.mark.parametrize("layout", [slow("expert2-fsdp2-tensor2"), slow("expert4-data2"), "expert8",
-                                    slow("expert2-stage2-data2")])
+                                    slow("expert2-stage2-data2"), "expert2-fsdp2-tensor2-sp"])
 def test_expert_parallel_equals_one_device(one_device, layout):
     """Worst-case capacity (model.moe.ep_capacity_factor unset): nothing dropped, and the run is one device's
     dropless run: losses, gradient norms, every gradient leaf, aux/z losses and load, relative 1e-5."""
@@ -73,7 +76,7 @@ def test_expert_parallel_equals_one_device(one_device, layout):
     spec = lambda name: tuple(trainer.state["params"]["layers"]["mlp"][name].sharding.spec) + (None,) * 4  # noqa
     assert spec("w_gate")[:2] == ("stage", "expert")     # [layers, experts, embed, mlp]: experts split
     assert spec("router")[2] is None                     # [layers, embed, experts]: router columns replicated
-    if layout == "expert2-fsdp2-tensor2":                 # and over fsdp and tensor as the dense MLP
+    if layout.startswith("expert2-fsdp2-tensor2"):        # and over fsdp and tensor as the dense MLP
         assert spec("w_down")[:4] == ("stage", "expert", "tensor", ("fsdp", "context"))
 
 

@@ -36,6 +36,7 @@ from jaxtron.model.mla import LatentAttention
 from jaxtron.model.moe import MoE
 from jaxtron.model.mtp import MTPModule
 from jaxtron.model.projection import Matmuls
+from jaxtron.parallel import embedding
 from jaxtron.parallel.sharding import constrain, matmul_weight
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -172,9 +173,8 @@ class Llama(nnx.Module):
         """[batch, seq] token ids -> [batch, seq, hidden] in the compute dtype."""
         dt = jnp.dtype(compute_dtype(self.cfg))
         # Vocab-parallel lookup: the table (gathered over its FSDP shards, vocab still split) is indexed
-        # by the tokens and the partial rows summed across the vocab split.
-        table = constrain(self.embed[...].astype(dt), ("vocab", "act_embed"))
-        return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+        # by each device's tokens and the partial rows summed across the vocab split.
+        return constrain(embedding.lookup(self.embed[...], tokens, dt, ("vocab", "act_embed")), RESIDUAL)
 
     def rope(self, positions: jax.Array) -> Rope:
         """RoPE for these positions (the cos/sin tables computed once for all the layers with rope_impl=xla)."""

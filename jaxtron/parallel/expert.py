@@ -8,8 +8,13 @@ losses and the expert loads are computed by the model on the whole (GSPMD-global
 they are those of one device.
 
 :func:`dispatch` (``model.moe.ep_dispatch=all_to_all``) runs in a ``jax.shard_map`` that is manual over the
-axes that split the tokens (the batch axes, expert among them, and the sequence's context axis), so each
-device packs only its own tokens; tensor (the experts' ``mlp`` dim) and stage stay automatic. Per device:
+axes that split the tokens (the batch axes, expert among them, and the residual stream's sequence axes:
+context, and tensor under ``parallel.sequence_parallel``), so each device packs only its own tokens; stage, and
+tensor without sequence parallelism (the experts' ``mlp`` dim), stay automatic. With sequence parallelism each
+tensor rank sends its own part of the sequence and runs its experts at full width (Megatron's expert tensor
+parallel size 1): left automatic there, every tensor rank sent every token of its micro batch and ran the
+Pallas grouped GEMM (a custom call GSPMD cannot split) on all of them, twice the exchange bytes and the expert
+FLOPs at tensor 2 (DeepSeek-V3 on 1,024 H100s, docs/moe.md). Per device:
 
 1. the T*k (token, choice) assignments, first choices before second choices (as ``capacity`` dispatch), get a
    destination rank (expert // experts per rank) and a place in that rank's queue, by a stable argsort of
@@ -148,7 +153,7 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
         return plain()
     rules, mesh = ctx
     ep_axes = tuple(a for a in _split((WEIGHT_NAME,), rules) if mesh.shape[a] > 1)
-    batch, seq = _split(("act_batch",), rules), _split(("act_seq",), rules)
+    batch, seq = _split(("act_batch",), rules), _split(("act_res_seq",), rules)
     assert set(ep_axes) <= set(batch), f"expert axes {ep_axes} must split the batch ({batch}): EP within DP"
     n_batch = math.prod(mesh.shape[a] for a in batch)
     n_seq = math.prod(mesh.shape[a] for a in seq)
