@@ -47,6 +47,18 @@ def test_expert_parallel_plan_matches_its_closed_forms():
     assert overlap["pairs"] == a2a["ops"] and overlap["with_expert_matmuls"] >= 1, overlap
 
 
+def test_sequence_parallel_halves_the_rows_each_device_exchanges():
+    """Under sequence parallelism each tensor rank dispatches its own half of the sequence at the experts' whole
+    width (jaxtron/parallel/expert.py): the closed forms halve the exchanged rows and keep the FLOPs."""
+    plain = config_lib.load(None, MOE + list(EP))
+    sp = config_lib.load(None, MOE + list(EP) + ["parallel.sequence_parallel=true"])
+    lp, ls = Layout.planned(plain, 8), Layout.planned(sp, 8)
+    assert pmoe.dispatch_rows(sp, ls) * 2 == pmoe.dispatch_rows(plain, lp)
+    assert pmoe.exchange_bytes(sp, ls) * 2 == pmoe.exchange_bytes(plain, lp)
+    assert pmoe.expert_flops_per_device(sp, ls, "as_compiled") == pmoe.expert_flops_per_device(
+        plain, lp, "as_compiled")
+
+
 def test_search_tries_expert_sizes_that_divide_the_experts():
     cfg = config_lib.load(None, MOE + ["model.moe.num_experts=6"])
     sizes = {c.parallel.expert for c in candidate_configs(cfg, 8)}

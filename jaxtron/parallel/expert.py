@@ -109,6 +109,13 @@ def capacity(tokens: int, k: int, ranks: int, local_experts: int, factor: Option
     return max(1, min(worst, math.ceil(factor * tokens * k / ranks)))
 
 
+def dispatch_tokens(cfg: Config, micro_batch: int, context: int, tensor: int) -> int:
+    """Tokens each device dispatches per micro batch of ``micro_batch`` sequences: the sequence split over
+    context, and over tensor too under ``parallel.sequence_parallel`` (the axes :func:`dispatch`'s shard_map
+    is manual over)."""
+    return micro_batch * cfg.data.seq_len // (context * (tensor if cfg.parallel.sequence_parallel else 1))
+
+
 def describe_buffers(moe, expert: int, tokens: int) -> Optional[str]:
     """One start-up line on the all_to_all exchange buffers for ``tokens`` tokens per device and micro batch on
     ``expert`` ranks: their rows, the capacity factor they come from and what that means (the worst case is

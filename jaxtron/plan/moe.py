@@ -38,7 +38,7 @@ import re
 
 from jaxtron.config import Config, gmm_impl
 from jaxtron.plan import hlo
-from jaxtron.parallel.expert import capacity, exchange_chunks
+from jaxtron.parallel.expert import capacity, dispatch_tokens, exchange_chunks
 from jaxtron.parallel.layout import Layout
 from jaxtron.train.flops import moe_layer_count
 
@@ -70,16 +70,32 @@ def ep_rows(cfg: Config, layout: Layout) -> int:
     """EP x C rows each device receives per MoE layer and micro batch (module doc); with ``ep_overlap``, the
     sum over its chunks."""
     e = cfg.model.moe
-    t = layout.micro_batch_size * cfg.data.seq_len // layout.context
+    t = _own_tokens(cfg, layout)
     parts = exchange_chunks(e, t)
     return parts * layout.expert * capacity(t // parts, e.num_experts_per_token, layout.expert,
                                             e.num_experts // layout.expert, e.ep_capacity_factor)
 
 
+def _splits_sequence_over_tensor(cfg: Config, layout: Layout) -> bool:
+    return keeps_tokens(cfg, layout) and cfg.parallel.sequence_parallel and layout.tp > 1
+
+
+def _own_tokens(cfg: Config, layout: Layout) -> int:
+    """Tokens each device dispatches per micro batch (the dispatch's shard_map: its own sequences, split over
+    context, and over tensor under sequence parallelism)."""
+    return dispatch_tokens(cfg, layout.micro_batch_size, layout.context, layout.tp)
+
+
+def _width(cfg: Config, layout: Layout) -> float:
+    """The routed experts' width as each device multiplies it: whole where each tensor rank dispatches its own
+    part of the sequence (sequence parallelism), else split over tensor."""
+    f = cfg.model.moe.expert_intermediate_size
+    return f if _splits_sequence_over_tensor(cfg, layout) else f / layout.tp
+
+
 def ragged_sent_fraction(cfg: Config, layout: Layout) -> float:
     """``ragged_all_to_all``: the rows sent over the buffer's rows, for a balanced load (t x k of EP x C)."""
-    t = layout.micro_batch_size * cfg.data.seq_len // layout.context
-    return min(1.0, t * cfg.model.moe.num_experts_per_token / ep_rows(cfg, layout))
+    return min(1.0, _own_tokens(cfg, layout) * cfg.model.moe.num_experts_per_token / ep_rows(cfg, layout))
 
 
 def shared_width(m) -> int:
@@ -105,7 +121,7 @@ def dispatch_rows(cfg: Config, layout: Layout) -> float:
     if expert_parallel(cfg, layout):
         return ep_rows(cfg, layout)
     if keeps_tokens(cfg, layout):
-        return layout.micro_batch_size * cfg.data.seq_len // layout.context * e.num_experts_per_token
+        return _own_tokens(cfg, layout) * e.num_experts_per_token
     tokens = layout.micro_batch_size * layout.dp * cfg.data.seq_len
     if e.dispatch == "capacity":
         return e.num_experts * math.ceil(e.capacity_factor * tokens * e.num_experts_per_token / e.num_experts)
@@ -125,7 +141,7 @@ def expert_flops_per_device(cfg: Config, layout: Layout, gemm: str) -> float:
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         return layers * 2 * 3 * d * f * e.num_experts_per_token * tokens / layout.num_devices
     masked = _masked_groups(cfg, layout)
-    per_micro = 2 * 3 * dispatch_rows(cfg, layout) * masked * _contraction(cfg, layout) * f / layout.tp
+    per_micro = 2 * 3 * dispatch_rows(cfg, layout) * masked * _contraction(cfg, layout) * _width(cfg, layout)
     return layers * per_micro * layout.accumulation_steps
 
 
@@ -166,7 +182,7 @@ def working_bytes(cfg: Config, layout: Layout) -> float:
     inputs expanded E times (bf16) and their fp32 outputs on the dispatched rows, forward and backward."""
     e = cfg.model.moe
     rows = dispatch_rows(cfg, layout)
-    d, f = _contraction(cfg, layout), e.expert_intermediate_size / layout.tp
+    d, f = _contraction(cfg, layout), _width(cfg, layout)
     expand = _masked_groups(cfg, layout)
     return 2 * (2 * rows * expand * (d + f) + 4 * rows * (2 * f + d))
 

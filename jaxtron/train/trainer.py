@@ -25,7 +25,7 @@ from jaxtron.data.corpus import make_corpus, valid_start_batch
 from jaxtron.model.fp8 import Recipe
 from jaxtron.model.projection import Matmuls
 from jaxtron.model import kernel_check
-from jaxtron.parallel.expert import describe_buffers
+from jaxtron.parallel.expert import describe_buffers, dispatch_tokens
 from jaxtron.train.callbacks import TrainResult, as_callback
 from jaxtron.train.checkpointing import Checkpointing, Restored
 from jaxtron.train.flops import device_peak_tflops
@@ -240,7 +240,7 @@ class Trainer:
                      "kernel would run interpreted)" if cpu else "pallas, the grouped-GEMM kernel (XLA:GPU runs "
                      "ragged_dot over every expert)" + ("; the routed experts run in model.dtype, not FP8"
                                                        if recipe.name != "none" else ""))
-        buffers = describe_buffers(moe, lay.expert, lay.micro_batch_size * cfg.data.seq_len // lay.context)
+        buffers = describe_buffers(moe, lay.expert, dispatch_tokens(cfg, lay.micro_batch_size, lay.context, lay.tp))
         if buffers:
             log.info(buffers)
 
