@@ -79,12 +79,17 @@ def largest_layer_params(m, expert: int = 1) -> int:
                * (expert - 1) // expert)
 
 
+def param_bytes(m) -> int:
+    """Bytes of one stored weight (``model.param_dtype``)."""
+    return 2 if m.param_dtype in ("bfloat16", "float16") else (8 if m.param_dtype == "float64" else 4)
+
+
 def closed_form_state_bytes(cfg: Config, layout: Layout) -> dict:
     """Per-device bytes of params, AdamW state and gradients: every matrix is split over fsdp x context (its
     hidden dim) and tensor (heads / mlp / vocab), the routed experts also over expert; norms and biases are
     small and counted as split the same way."""
     m = cfg.model
-    pbytes = 2 if m.param_dtype in ("bfloat16", "float16") else (8 if m.param_dtype == "float64" else 4)
+    pbytes = param_bytes(m)
     n = param_count(m)
     local = n - routed_expert_params(m) * (layout.expert - 1) / layout.expert
     shard = layout.zero_shards * layout.tp * layout.stages  # pipeline stages hold 1/S of the layers each
@@ -100,7 +105,12 @@ def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str, moe: bool = Fals
     tensor_part = ((h + 2 * kv) * hd + h * hd + (0 if moe else 3 * f)) / t
     ffn = pmoe.act_bytes_per_token(m, t, remat) if moe else 0.0
     if remat == "none":
-        return 2 * (5 * d / dt + tensor_part) + 8 * d / dt + ffn  # + fp32 norm inputs
+        # + fp32 norm inputs; + 5 more bf16 MLP-width tensors than the 3 above: what XLA:GPU keeps of the SwiGLU
+        # (Llama-3-70B on 64 H100, micro batch 1, tensor 4 x fsdp 16 and tensor 4 x stage 4 x fsdp 4 with 1f1b's 7
+        # micro batches kept: the compiled peaks, 123.2 and 219.6 GiB, are 43.7 and 79.6 GiB above this count
+        # without them; 5 f/t bf16 per token and layer are 43.8 and 76.6 GiB there)
+        swiglu = 0 if moe else 2 * 5 * f / t
+        return 2 * (5 * d / dt + tensor_part) + 8 * d / dt + swiglu + ffn
     if remat == "save_dots":
         return 2 * (3 * d / dt + tensor_part) + ffn
     return 2 * d / dt  # full: the layer input only
@@ -145,6 +155,12 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     logits = tokens * m.vocab_size / t * (2 + 4 + 4)
     gathered = 2 * 2 * largest_layer_params(m, layout.expert) / t if layout.zero_shards > 1 else 0
     acc = st["grads"] if layout.accumulation_steps > 1 else 0
+    if gathers_stage_once(cfg, layout):  # the stage's weights (bf16 under 1f1b/zb_h1's cast once, else as
+        #                                  stored) and its gradient accumulator unsharded over fsdp all step
+        pbytes = param_bytes(m)
+        stage_params = st["param_count"] / (t * layout.stages)
+        wbytes = 2 if cfg.parallel.pipeline_schedule in ("1f1b", "zb_h1") and cfg.train.cast_params_once else pbytes
+        gathered, acc = stage_params * wbytes, stage_params * pbytes
     temp = saved + working + logits + gathered + acc + st["grads"]
     total = st["params"] + st["optimizer"] + temp
     return {**st, "activations": saved + working + logits + gathered, "temp": temp, "total": total}
@@ -323,19 +339,20 @@ def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
                        moe_gemm: str = "as_compiled") -> float:
     """Rough communication time for ranking search candidates before compiling."""
     m, s = cfg.model, cfg.data.seq_len
-    t, f = layout.tp, layout.zero_shards
+    t, f, st = layout.tp, layout.zero_shards, layout.stages
     d = layout.dp // f
     b, accum = layout.micro_batch_size, layout.accumulation_steps
     per_node = gpu.gpus_per_node
     bw = lambda span: (gpu.nvlink_gbps if span <= per_node else gpu.net_gbps) * 1e9 * gpu.comm_efficiency
-    n = param_count(m)
+    n = param_count(m) / st  # a pipeline stage holds, gathers and reduces 1/S of the layers
     secs = 0.0
     if t > 1:
         act = b * s * m.hidden_size * 2
-        n_ar = m.num_layers * (6 if m.remat == "full" else 4) * accum
+        n_ar = m.num_layers / st * (6 if m.remat == "full" else 4) * accum
         secs += n_ar * 2 * act * (t - 1) / t / bw(t)
     if f > 1:
-        exposed_fsdp = accum * (2 * 2 * n / t * (f - 1) / f + 2 * n / t * (f - 1) / f) / bw(f * t)
+        gathers = 1 if gathers_stage_once(cfg, layout) else accum
+        exposed_fsdp = gathers * (2 * 2 * n / t * (f - 1) / f + 2 * n / t * (f - 1) / f) / bw(f * t)
         secs += max(0.0, exposed_fsdp - 0.8 * model_flops(cfg, "causal") / num_gpus / (gpu.peak_tflops * 1e12 * gpu.compute_efficiency))
     if d > 1:
         secs += 2 * 4 * n / (f * t) * (d - 1) / d / bw(num_gpus)
@@ -344,6 +361,11 @@ def closed_form_comm_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
     elif moe_layer_count(m) and moe_gemm == "as_compiled":
         secs += pmoe.dispatch_comm_bytes(cfg, layout) / bw(layout.dp * t)
     return secs
+
+
+def gathers_stage_once(cfg: Config, layout: Layout) -> bool:
+    """Whether each pipeline stage's weights are all-gathered over fsdp once per step (not per micro batch)."""
+    return cfg.parallel.pipeline_fsdp_gather_once and layout.stages > 1 and layout.zero_shards > 1
 
 
 def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,

@@ -58,6 +58,7 @@ def layout_overrides(cfg: Config) -> str:
     mbs = t.micro_batch_size if t.micro_batch_size is not None else "null"
     ep = f"parallel.expert={p.expert} " if cfg.model.moe.num_experts else ""
     pp = (f"parallel.pipeline_schedule={p.pipeline_schedule} parallel.virtual_stages={p.virtual_stages} "
+          + ("parallel.pipeline_fsdp_gather_once=true " if p.pipeline_fsdp_gather_once else "")
           if p.stage > 1 else "")
     return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} {ep}parallel.context={p.context} "
             f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage={p.stage} {pp}"

@@ -71,11 +71,16 @@ def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
             # a pipeline needs at least as many micro batches as stages
             mbs_opts = [b for b in pm.divisors(gbs // dp) if b & (b - 1) == 0 and b <= 16 and gbs // (dp * b) >= stage]
             schedules = _schedules(m.num_layers, stage)
-            for mbs, remat, fp8, (schedule, virtual) in itertools.product(mbs_opts, remats, fp8s, schedules):
+            # under stages with FSDP: the stage's weights gathered per micro batch, or once per step (faster, for
+            # the stage's unsharded weights and gradients in memory)
+            onces = [False, True] if stage > 1 and fsdp > 1 else [False]
+            for mbs, remat, fp8, (schedule, virtual), once in itertools.product(mbs_opts, remats, fp8s, schedules,
+                                                                                  onces):
                 c = copy.deepcopy(cfg)
                 c.model.fp8 = fp8
                 c.parallel.data, c.parallel.fsdp, c.parallel.tensor, c.parallel.stage = data, fsdp, tensor, stage
                 c.parallel.pipeline_schedule, c.parallel.virtual_stages = schedule, virtual
+                c.parallel.pipeline_fsdp_gather_once = once
                 c.parallel.expert = expert
                 c.parallel.context = context
                 if context > 1:  # the flash kernels do not take context > 1: the ring attends in query tiles
