@@ -18,6 +18,8 @@ as before).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -25,6 +27,23 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.parallel.sharding import constrain, current_context, devices_are_cpu, logical_to_spec
+
+
+# False inside :func:`gspmd_lookup`
+_PER_DEVICE = contextvars.ContextVar("jaxtron_embedding_per_device", default=True)
+
+
+@contextlib.contextmanager
+def gspmd_lookup():
+    """Within: :func:`lookup` leaves the lookup to GSPMD (``jnp.take``). The gpipe/circular pipelines embed
+    every micro batch before their tick loop, outside the stage ``shard_map``; there, under tensor x sequence
+    parallelism, XLA's SPMD partitioner aborts on the per-device lookup's gather (``PartitionGather``:
+    partition_group_list check; 1f1b, which embeds inside the stage ``shard_map``, compiles)."""
+    token = _PER_DEVICE.set(False)
+    try:
+        yield
+    finally:
+        _PER_DEVICE.reset(token)
 
 
 def _axes(name: str, rules, mesh) -> tuple[str, ...]:
@@ -38,7 +57,7 @@ def lookup(table: jax.Array, tokens: jax.Array, dtype, table_names) -> jax.Array
     table is constrained to the logical ``table_names`` first (the embedding: gathered over FSDP, vocab over
     tensor). Under a mesh whose batch or context axes split ``tokens``, per device (module doc); else
     ``jnp.take``."""
-    ctx = current_context()
+    ctx = current_context() if _PER_DEVICE.get() else None
     mesh = ctx[1] if ctx is not None else None
     batch, seq = (_axes("act_batch", ctx[0], mesh), _axes("act_seq", ctx[0], mesh)) if mesh is not None else ((), ())
     n_batch, n_seq = (math.prod(mesh.shape[a] for a in axes) if axes else 1 for axes in (batch, seq))

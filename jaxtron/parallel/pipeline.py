@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxtron.parallel import one_f_one_b, zero_bubble
+from jaxtron.parallel import embedding, one_f_one_b, zero_bubble
 from jaxtron.parallel.fill_drain import forward_outputs, post_loss
 from jaxtron.parallel.pipeline_layout import PipelineSpec, chunked
 
@@ -49,7 +49,8 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
     (the stage loop that keeps residuals, the loss head's loop; see :data:`CAST_BEFORE_LOOP`), or None."""
     stacked_dtypes, shared_dtypes = (None, None) if compute_dtypes is None else compute_dtypes
     chunks = chunked(stacked, stacked_specs, spec, mesh)
-    xs = jax.vmap(pre, in_axes=(None, 0))(shared, micro)                      # [M, mb, seq, d]
+    with embedding.gspmd_lookup():  # see there: XLA aborts on the per-device lookup here
+        xs = jax.vmap(pre, in_axes=(None, 0))(shared, micro)                  # [M, mb, seq, d]
     dtype = xs.dtype
     if mesh.devices.flat[0].platform == "cpu":
         # XLA:CPU's bf16 all-reduce rewrite (ChangeOpDataType) aborts on the stage reductions of 16-bit
