@@ -60,6 +60,7 @@ def lookup(table: jax.Array, tokens: jax.Array, dtype, table_names) -> jax.Array
     ctx = current_context() if _PER_DEVICE.get() else None
     mesh = ctx[1] if ctx is not None else None
     batch, seq = (_axes("act_batch", ctx[0], mesh), _axes("act_seq", ctx[0], mesh)) if mesh is not None else ((), ())
+    seq = tuple(a for a in seq if a not in batch)  # rules may put both on one axis: it splits the batch then
     n_batch, n_seq = (math.prod(mesh.shape[a] for a in axes) if axes else 1 for axes in (batch, seq))
     if n_batch * n_seq == 1 or tokens.shape[0] % n_batch or tokens.shape[1] % n_seq:
         return jnp.take(constrain(table.astype(dtype), table_names), tokens, axis=0)

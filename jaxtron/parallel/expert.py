@@ -161,6 +161,7 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     rules, mesh = ctx
     ep_axes = tuple(a for a in _split((WEIGHT_NAME,), rules) if mesh.shape[a] > 1)
     batch, seq = _split(("act_batch",), rules), _split(("act_res_seq",), rules)
+    seq = tuple(a for a in seq if a not in batch)  # rules may put both on one axis: it splits the batch then
     assert set(ep_axes) <= set(batch), f"expert axes {ep_axes} must split the batch ({batch}): EP within DP"
     n_batch = math.prod(mesh.shape[a] for a in batch)
     n_seq = math.prod(mesh.shape[a] for a in seq)

@@ -97,9 +97,10 @@ def closed_form_state_bytes(cfg: Config, layout: Layout) -> dict:
             "grads": local * pbytes / shard, "param_count": n}
 
 
-def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str, moe: bool = False) -> float:
+def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str, moe: bool = False, swiglu_kept: bool = True) -> float:
     """bf16 activations one layer keeps for the backward, per token (flash attention: no s^2 term); an MoE
-    layer's feed-forward part is :func:`jaxtron.plan.moe.act_bytes_per_token`."""
+    layer's feed-forward part is :func:`jaxtron.plan.moe.act_bytes_per_token`. ``swiglu_kept``: count what
+    XLA:GPU's buffers hold of the SwiGLU under ``none`` (memory); the roofline's HBM traffic leaves it out."""
     d, h, kv, hd, f = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m), m.intermediate_size
     dt = t if sp else 1
     tensor_part = ((h + 2 * kv) * hd + h * hd + (0 if moe else 3 * f)) / t
@@ -109,17 +110,17 @@ def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str, moe: bool = Fals
         # (Llama-3-70B on 64 H100, micro batch 1, tensor 4 x fsdp 16 and tensor 4 x stage 4 x fsdp 4 with 1f1b's 7
         # micro batches kept: the compiled peaks, 123.2 and 219.6 GiB, are 43.7 and 79.6 GiB above this count
         # without them; 5 f/t bf16 per token and layer are 43.8 and 76.6 GiB there)
-        swiglu = 0 if moe else 2 * 5 * f / t
+        swiglu = 0 if moe or not swiglu_kept else 2 * 5 * f / t
         return 2 * (5 * d / dt + tensor_part) + 8 * d / dt + swiglu + ffn
     if remat == "save_dots":
         return 2 * (3 * d / dt + tensor_part) + ffn
     return 2 * d / dt  # full: the layer input only
 
 
-def _act_bytes_per_token(m, t: int, sp: bool, remat: str) -> float:
+def _act_bytes_per_token(m, t: int, sp: bool, remat: str, swiglu_kept: bool = True) -> float:
     """Summed over all layers, dense and MoE."""
     n_moe = moe_layer_count(m)
-    return ((m.num_layers - n_moe) * _act_bytes_per_token_layer(m, t, sp, remat)
+    return ((m.num_layers - n_moe) * _act_bytes_per_token_layer(m, t, sp, remat, swiglu_kept=swiglu_kept)
             + n_moe * _act_bytes_per_token_layer(m, t, sp, remat, moe=True))
 
 
@@ -173,7 +174,7 @@ def hbm_bytes(cfg: Config, layout: Layout, moe_gemm: str = "as_compiled") -> flo
     sp = cfg.parallel.sequence_parallel and t > 1
     n_local = param_count(m) / t
     weights = 3 * 2 * n_local * accum * (4 / 3 if m.remat == "full" else 1)
-    act = 4 * b * s * _act_bytes_per_token(m, t, sp, "none") * accum
+    act = 4 * b * s * _act_bytes_per_token(m, t, sp, "none", swiglu_kept=False) * accum
     logits = 3 * b * s * m.vocab_size / t * 4 * accum
     opt = 28 * param_count(m) / (layout.zero_shards * t)
     experts = pmoe.hbm_bytes(cfg, layout, moe_gemm) if moe_layer_count(m) else 0.0
