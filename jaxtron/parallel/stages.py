@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.parallel import pipeline
+from jaxtron.parallel.fill_drain import cast_to
 from jaxtron.parallel.sharding import constrain
 
 STACKED = "layers"                 # the params key (and logical axis) of the stacked decoder blocks
@@ -98,8 +99,7 @@ def pipelined_value_and_grad(layout, graphdef, terms: StageTerms, param_sharding
     dtypes = None if compute_dtypes is None else _split_stacked(compute_dtypes)
     if dtypes is not None and spec.schedule in pipeline.CAST_BEFORE_LOOP:
         # sharded as the params: each rank casts its shard, and the gathers of the chunks move the cast copy
-        params = jax.lax.with_sharding_constraint(jax.tree.map(lambda a, d: a.astype(d), params, compute_dtypes),
-                                                  param_shardings)
+        params = jax.lax.with_sharding_constraint(cast_to(params, compute_dtypes), param_shardings)
         dtypes = None
     stacked, shared = _split_stacked(params)
     micro = split_micro(batch, spec.micro_batches)
