@@ -40,7 +40,7 @@ from jaxtron.parallel.pipeline_layout import PipelineSpec
 from jaxtron.parallel.rules import active_overrides, logical_rules
 from jaxtron.parallel.sharding import logical_to_sharding, param_shardings, use_rules
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular", "zb_h1")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "circular", "zb_h1", "zbv")
 
 
 def configured_sizes(p: ParallelConfig) -> dict[str, int]:
@@ -87,23 +87,25 @@ def check_parallel(cfg: Config, sizes: Optional[Mapping[str, int]] = None) -> No
     require(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
            f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
     require(p.virtual_stages >= 1, "parallel.virtual_stages", f"must be >= 1, got {p.virtual_stages}")
-    require(not (p.pipeline_recompute and p.pipeline_schedule == "zb_h1"), "parallel.pipeline_recompute",
-            "zb_h1 keeps the residuals its W reads: set parallel.pipeline_recompute=false")
+    require(not (p.pipeline_recompute and p.pipeline_schedule in ("zb_h1", "zbv")), "parallel.pipeline_recompute",
+            f"{p.pipeline_schedule} keeps the residuals its W reads: set parallel.pipeline_recompute=false")
     require(p.virtual_stages == 1 or p.pipeline_schedule == "circular", "parallel.virtual_stages",
            f"{p.virtual_stages} virtual stages need parallel.pipeline_schedule=circular "
            f"(got {p.pipeline_schedule!r})")
     known = dict(sizes) if sizes is not None else known_sizes(p)
     stages, tensor = known.get(STAGE), known.get(TENSOR)
     if stages is not None:
-        chunks = stages * p.virtual_stages
+        per_device = 2 if p.pipeline_schedule == "zbv" else p.virtual_stages   # zbv: two chunks in a V
+        chunks = stages * per_device
+        split = (f"parallel.stage ({stages}) x 2 (zbv's V)" if p.pipeline_schedule == "zbv" else
+                 f"parallel.stage ({stages}) x parallel.virtual_stages ({p.virtual_stages})")
         require(m.moe.num_experts or m.num_layers % chunks == 0, "model.num_layers",
-               f"{m.num_layers} layers cannot be split into parallel.stage ({stages}) x parallel.virtual_stages "
-               f"({p.virtual_stages}) = {chunks} equal chunks")
+               f"{m.num_layers} layers cannot be split into {split} = {chunks} equal chunks")
         if m.moe.num_experts:  # the stages split the scanned MoE units; the leading dense layers run before
             units = (m.num_layers - m.moe.first_dense_layers) // m.moe.layer_freq
             require(units % chunks == 0, "parallel.stage", f"the {units} scanned MoE units (model.num_layers - "
                    f"model.moe.first_dense_layers, in groups of model.moe.layer_freq) cannot be split into "
-                   f"parallel.stage ({stages}) x parallel.virtual_stages ({p.virtual_stages}) = {chunks} chunks")
+                   f"{split} = {chunks} chunks")
     if tensor is not None:
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
             require(getattr(m, name) % tensor == 0, "parallel.tensor",
@@ -238,7 +240,7 @@ class Layout:
     @property
     def bubble(self) -> float:
         """Idle fraction of the pipeline schedule (:attr:`PipelineSpec.bubble`): (S-1)/(M+S-1), (S-1)/(V*M+S-1)
-        for the circular one, (S-1)/(3M+S-1) for zb_h1."""
+        for the circular one, (S-1)/(3M+S-1) for zb_h1, zbv's from its tick table."""
         s = self.stages
         if s <= 1:
             return 0.0
@@ -285,11 +287,11 @@ class Layout:
 
     def pipeline(self, for_eval: bool = False):
         """The :class:`~jaxtron.parallel.pipeline_layout.PipelineSpec`, or None without pipeline stages. Evaluation
-        (forward only) runs the 1f1b and zb_h1 configurations through the gpipe loop."""
+        (forward only) runs the 1f1b, zb_h1 and zbv configurations through the gpipe loop."""
         if self.stages == 1:
             return None
         p = self.parallel
-        schedule = "gpipe" if for_eval and p.pipeline_schedule in ("1f1b", "zb_h1") else p.pipeline_schedule
+        schedule = "gpipe" if for_eval and p.pipeline_schedule in ("1f1b", "zb_h1", "zbv") else p.pipeline_schedule
         return PipelineSpec(self.stages, self.accumulation_steps, schedule, p.virtual_stages,
                             p.pipeline_fsdp_gather_once, p.pipeline_recompute)
 

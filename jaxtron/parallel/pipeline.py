@@ -12,7 +12,8 @@ where ``stacked`` holds the leaves with a leading ``layers`` axis, ``shared`` th
 head) and ``mb`` one micro batch (a dict of [micro_batch, seq] arrays). Schedules (S stages, M micro batches,
 V virtual stages): ``gpipe`` and ``circular`` (:mod:`jaxtron.parallel.fill_drain`, a tick loop that is
 differentiated), ``1f1b`` (:mod:`jaxtron.parallel.one_f_one_b`, forward and backward in one loop) and ``zb_h1``
-(:mod:`jaxtron.parallel.zero_bubble`, 1f1b's loop with the backward split into B and a deferred W). The
+(:mod:`jaxtron.parallel.zero_bubble`, 1f1b's loop with the backward split into B and a deferred W) and ``zbv``
+(:mod:`jaxtron.parallel.zero_bubble_v`, two chunks per device in a V, B and W split, its own tick loop). The
 layout they share (:class:`~jaxtron.parallel.pipeline_layout.PipelineSpec`, the per-stage chunks, the
 ``shard_map`` manual over ``stage`` only) is in :mod:`jaxtron.parallel.pipeline_layout`.
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxtron.parallel import embedding, one_f_one_b, zero_bubble
+from jaxtron.parallel import embedding, one_f_one_b, zero_bubble, zero_bubble_v
 from jaxtron.parallel.fill_drain import forward_outputs, post_loss
 from jaxtron.parallel.pipeline_layout import PipelineSpec, chunked
 
@@ -73,7 +74,7 @@ def forward_loss(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Ca
 # inside, before its ticks, and sums the ticks' gradients in fp32 (fill_drain._kept_loop); their FSDP gathers
 # (before the loop with gather_once) still move fp32, and their recomputing loop
 # (parallel.pipeline_recompute=true), which autodiff differentiates, casts the stage weights per tick.
-CAST_BEFORE_LOOP = ("1f1b", "zb_h1")
+CAST_BEFORE_LOOP = ("1f1b", "zb_h1", "zbv")
 
 
 def add_grads(acc: Any, grads: Any) -> Any:
@@ -100,6 +101,9 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
         if compute_dtypes is not None:
             raise ValueError(f"pipeline.value_and_grad: {spec.schedule} takes the weights already cast, not "
                              "compute_dtypes")
+        if spec.schedule == "zbv":
+            return zero_bubble_v.value_and_grad(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared,
+                                                micro, accumulate)
         make_tick = zero_bubble.zb_h1_tick if spec.schedule == "zb_h1" else None
         return one_f_one_b.value_and_grad(spec, mesh, rules, pre, stage, post, stacked, stacked_specs, shared, micro,
                                           accumulate, make_tick)

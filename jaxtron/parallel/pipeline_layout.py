@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtron.parallel.axes import CONTEXT, FSDP, STAGE
 from jaxtron.parallel.sharding import use_rules
+from jaxtron.parallel.zero_bubble_v_table import zbv_table
 
 AXIS = STAGE  # the axis the pipelined region is manual over
 log = logging.getLogger(__name__)
@@ -31,26 +32,31 @@ log = logging.getLogger(__name__)
 class PipelineSpec:
     stages: int
     micro_batches: int
-    schedule: str = "1f1b"      # '1f1b' | 'gpipe' | 'circular' | 'zb_h1'
+    schedule: str = "1f1b"      # '1f1b' | 'gpipe' | 'circular' | 'zb_h1' | 'zbv'
     virtual_stages: int = 1     # circular only
     gather_fsdp: bool = False   # gather the stage's weights over 'fsdp' once per step, not per tick
     recompute: bool = False     # keep only each tick's stage input and run the stage's forward again in its backward
 
     @property
     def chunks_per_device(self) -> int:
-        return self.virtual_stages if self.schedule == "circular" else 1
+        return self.virtual_stages if self.schedule == "circular" else 2 if self.schedule == "zbv" else 1
 
     @property
     def ticks(self) -> int:
         s, m, v = self.stages, self.micro_batches, self.chunks_per_device
+        if self.schedule == "zbv":  # ticks of one chunk's F, B or W each
+            return zbv_table(s, m).ticks
         return m + 2 * s - 2 if self.schedule in ("1f1b", "zb_h1") else v * m + s - 1
 
     @property
     def bubble(self) -> float:
         """Idle fraction: (S-1)/(V*M+S-1) (V = 1 but for circular; 1f1b's fill and drain ticks run only a
         forward or only a backward, so its M + 2S - 2 ticks last as long as M + S - 1 full ones); zb_h1's
-        (S-1)/(3M+S-1), with F, B and W one unit each (:func:`jaxtron.parallel.zero_bubble.zb_h1_table`)."""
+        (S-1)/(3M+S-1), with F, B and W one unit each (:func:`jaxtron.parallel.zero_bubble.zb_h1_table`); zbv's
+        from its table (:func:`jaxtron.parallel.zero_bubble_v_table.zbv_table`)."""
         s, m, v = self.stages, self.micro_batches, self.chunks_per_device
+        if self.schedule == "zbv":
+            return zbv_table(s, m).bubble
         if self.schedule == "zb_h1":
             return (s - 1) / (3 * m + s - 1)
         return (s - 1) / (v * m + s - 1)
@@ -74,7 +80,8 @@ def log_memory(spec: PipelineSpec, slots: int, slot_bytes: int, what: str) -> No
 
 
 def chunked(stacked: Any, stacked_specs: Any, spec: PipelineSpec, mesh: Mesh) -> Any:
-    """[L, ...] leaves (contiguous per stage) -> [S, V, L/(S*V), ...], device s holding chunks s, s+S, ...
+    """[L, ...] leaves (contiguous per stage) -> [S, V, L/(S*V), ...], device s holding chunks s, s+S, ...; under
+    zbv (V = 2) chunks s and 2S - 1 - s (the V).
 
     With V = 1 this is a local reshape (no data moves); with V > 1 it regroups the layers across stages. With
     ``spec.gather_fsdp`` the ``fsdp`` axis is dropped from the weights' sharding here, once per step (an
@@ -93,6 +100,9 @@ def chunked(stacked: Any, stacked_specs: Any, spec: PipelineSpec, mesh: Mesh) ->
         rest = tuple(drop(e) for e in tuple(pspec)[1:]) + (None,) * (w.ndim - len(tuple(pspec)))
         if v == 1:
             w = w.reshape(s, 1, n // s, *w.shape[1:])
+        elif spec.schedule == "zbv":  # the down leg's chunks in order, the up leg's reversed
+            w = w.reshape(2, s, n // (2 * s), *w.shape[1:])
+            w = jnp.stack([w[0], jnp.flip(w[1], 0)], axis=1)
         else:  # chunk c = r * S + stage holds layers [c * Lc, (c + 1) * Lc)
             w = w.reshape(v, s, n // (s * v), *w.shape[1:]).swapaxes(0, 1)
         return lax.with_sharding_constraint(w, NamedSharding(mesh, P(AXIS, None, None, *rest)))
@@ -105,7 +115,9 @@ def unchunked(chunks: Any, spec: PipelineSpec) -> Any:
     v = spec.chunks_per_device
 
     def one(w):
-        if v > 1:
+        if spec.schedule == "zbv":
+            w = jnp.stack([w[:, 0], jnp.flip(w[:, 1], 0)])
+        elif v > 1:
             w = w.swapaxes(0, 1)
         return w.reshape(-1, *w.shape[3:])
 

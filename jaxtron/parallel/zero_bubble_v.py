@@ -1,0 +1,148 @@
+"""The ``zbv`` schedule (ZB-V, Qi et al. 2024): two chunks of the layers per device in a V, each chunk's backward
+split into B (to its input) and W (to its weights), run from :func:`jaxtron.parallel.zero_bubble_v_table.zbv_table`
+in one ``shard_map`` manual over ``stage`` and one ``lax.scan`` over its ticks.
+
+A tick runs one op per device: F of a chunk (``jax.vjp`` of its layers, the residuals kept in a ring slot;
+device 0's chunk 0 starts with the embedding, its chunk 1 ends in the loss, whose cotangent is taken in the
+same tick), B (the kept pullback applied to the chunk's output cotangent, for its input cotangent) or W (the
+same pullback again, for its weight gradient). The op's output is sent both ways (``ppermute`` to d + 1 and to
+d - 1) and kept for the device itself: the table says which receiver keeps it and in which slot of the
+activation-shaped buffer ring (inputs waiting for their F, output cotangents waiting for their B and W).
+
+Costs, honestly. W takes the pullback's weight part only; the pullback is not split per matmul, so W runs the
+chunk's chain of input cotangents again (every layer's but the first one's), as zb_h1's W does
+(:mod:`jaxtron.parallel.zero_bubble`): a chunk's backward is B + W = 3 units of matmul work where 2 would do,
+until B keeps each matmul's output cotangent. Each tick moves two activation-sized buffers (one each way), of
+which at most one is needed: about 6M ticks move what 1f1b's M + 2S - 2 ticks move twice each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxtron.parallel.pipeline_layout import (AXIS, PipelineSpec, chunked, in_stage_rules, layer_order, log_memory,
+                                              nbytes, replicated, side_zeros, stage_shard_map, stage_specs,
+                                              tree_index, unchunked)
+from jaxtron.parallel.residuals import KeptVJP
+from jaxtron.parallel.zero_bubble_v_table import BWD, FWD, LEFT, RIGHT, SELF, WGT, zbv_arrays, zbv_table
+
+
+def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
+                   stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable):
+    """:func:`jaxtron.parallel.pipeline.value_and_grad` under zbv (``stacked`` and ``shared`` already cast, as
+    for 1f1b; gradients come back in fp32)."""
+    S = spec.stages
+    table = zbv_table(S, spec.micro_batches)
+    arrays = zbv_arrays(table)
+    chunks = chunked(stacked, stacked_specs, spec, mesh)             # [S, 2, Lc, ...]
+    mb0 = tree_index(micro, 0)
+    x_aval = jax.eval_shape(pre, shared, mb0)
+    aux_aval = jax.eval_shape(lambda: post(shared, jnp.zeros(x_aval.shape, x_aval.dtype), mb0)[1])
+    at = {k: jnp.asarray(getattr(arrays, k)) for k in ("op", "chunk", "micro", "res_slot", "buf_slot",
+                                                       "head_slot", "recv")}
+
+    def body(chunks, shared, micro):
+        local = jax.tree.map(lambda a: a[0], chunks)                   # [2, Lc, ...]: chunks d and 2S - 1 - d
+        s = lax.axis_index(AXIS)
+        is_first = s == 0
+        zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
+        zero_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_aval)
+        _, report0 = side_zeros(stage, tree_index(local, 0), zeros_x, tree_index(micro, 0), 2 * S)
+
+        def f(params, x_in, m, c):
+            """Chunk c's part of micro batch m: ((output, objective term), report). Device 0's chunk 0 starts
+            from the embedding (a select, not a cond: see zero_bubble.zb_h1_tick)."""
+            local, shared = params
+            mb = tree_index(micro, m)
+            x0 = jnp.where(is_first & (c == 0), pre(shared, mb), x_in)
+            y, (obj, report) = stage(tree_index(local, c), x0, mb)
+            return (y, obj), report
+
+        params = (local, shared)
+        zero_i = jnp.zeros((), jnp.int32)
+        kept = KeptVJP(f, params, zeros_x, zero_i, zero_i)
+        obj_one = jnp.ones((), jax.eval_shape(f, params, zeros_x, 0, 0)[0][1].dtype)
+        log_memory(spec, arrays.res_slots, kept.kept_bytes(),
+                   f"the chunk VJP residuals (a chunk: half a stage's layers; and {arrays.buf_slots} buffers of inputs "
+                   f"and cotangents, {arrays.buf_slots * nbytes(zeros_x) / 2 ** 20:.2f} MiB)")
+        ring0 = tuple(jnp.zeros((arrays.res_slots,) + a.shape, a.dtype) for a in kept.kept_shapes)
+        buf0 = jnp.zeros((arrays.buf_slots,) + zeros_x.shape, zeros_x.dtype)
+        grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
+
+        def add_grads(grads, d):
+            return accumulate(grads, jax.tree.map(lambda g, x: x.astype(g.dtype), grads, d))
+
+        def slot_of(ring, i):
+            return tuple(lax.dynamic_index_in_dim(r, i, 0, keepdims=False) for r in ring)
+
+        def put(buf, i, x):
+            """``buf[i] = x`` where i >= 0 (a dropped buffer writes nothing)."""
+            j = jnp.maximum(i, 0)
+            return lax.dynamic_update_index_in_dim(buf, jnp.where(i >= 0, x, buf[j]), j, 0)
+
+        def tick(carry, t):
+            (from_left, from_right, own), buf, ring, grads, (sums, report) = carry
+            for src, x in ((LEFT, from_left), (RIGHT, from_right), (SELF, own)):
+                buf = put(buf, at["recv"][t, s, src], x)
+            op, c, m = at["op"][t, s], at["chunk"][t, s], jnp.maximum(at["micro"][t, s], 0)
+            rs, bs = jnp.maximum(at["res_slot"][t, s], 0), jnp.maximum(at["buf_slot"][t, s], 0)
+            x_in = buf[bs]
+
+            def forward():
+                (y, _), rep, res = kept.forward(params, x_in, m, c)
+                return y, rep, res
+
+            def skip_forward():
+                return zeros_x, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), report), \
+                    tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
+
+            y, rep, res = lax.cond(op == FWD, forward, skip_forward)
+            # the report of the chunk's layers, in layer order: device d's chunk 1 is the V's chunk 2S - 1 - d
+            report = jax.tree.map(lambda r, a: r.at[jnp.where(c == 0, s, 2 * S - 1 - s)].add(a), report, rep)
+            ring = tuple(lax.dynamic_update_index_in_dim(r, jnp.where(op == FWD, a, r[rs]), rs, 0)
+                         for r, a in zip(ring, res))
+
+            def head(grads, sums):
+                """Device 0's chunk 1 ends in the loss: its cotangent, and the head's own gradient."""
+                mb = tree_index(micro, m)
+                loss, pull, aux = jax.vjp(lambda sh, y: post(sh, y, mb), shared, y, has_aux=True)
+                d_shared, dy = pull(jnp.ones((), loss.dtype))
+                grads = add_grads(grads, (jax.tree.map(jnp.zeros_like, local), d_shared))
+                return grads, jax.tree.map(jnp.add, sums, aux), dy
+
+            grads, sums, dy = lax.cond(at["head_slot"][t, s] >= 0, head, lambda g, a: (g, a, zeros_x), grads, sums)
+            buf = put(buf, at["head_slot"][t, s], dy)
+
+            # B and W, the two uses of the kept pullback (the one place to change for a split backward)
+            def input_grad():
+                return kept.backward(params, slot_of(ring, rs), m, (buf[bs], obj_one), c)[1]
+
+            dx = lax.cond(op == BWD, input_grad, lambda: zeros_x)
+
+            def weight_grad(grads):
+                d_params, _ = kept.backward(params, slot_of(ring, rs), m, (buf[bs], obj_one), c)
+                return add_grads(grads, d_params)
+
+            grads = lax.cond(op == WGT, weight_grad, lambda g: g, grads)
+            out = jnp.where(op == FWD, y, dx)
+            to_right = lax.ppermute(out, AXIS, [(j, j + 1) for j in range(S - 1)])   # d's output at d + 1
+            to_left = lax.ppermute(out, AXIS, [(j, j - 1) for j in range(1, S)])     # ... and at d - 1
+            return ((to_right, to_left, out), buf, ring, grads, (sums, report)), None
+
+        carry = ((zeros_x, zeros_x, zeros_x), buf0, ring0, grads0, (zero_aux, report0))
+        (_, _, _, (g_local, g_shared), sums), _ = lax.scan(tick, carry, jnp.arange(table.ticks))
+        g_shared = lax.psum(g_shared, AXIS)   # the embedding's and the head's grads live on device 0
+        sums = lax.psum(sums, AXIS)           # the loss's sums from device 0, each device's own report
+        return jax.tree.map(lambda g: g[None], g_local), g_shared, sums
+
+    fn = stage_shard_map(in_stage_rules(body, rules), mesh,
+                         (stage_specs(chunks), replicated(shared), replicated(micro)),
+                         (stage_specs(chunks), replicated(shared), P()))
+    g_chunks, g_shared, (sums, report) = fn(chunks, shared, micro)
+    return (sums, layer_order(report)), (unchunked(g_chunks, spec), g_shared)
+
