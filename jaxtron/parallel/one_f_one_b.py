@@ -34,7 +34,8 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
     """:func:`jaxtron.parallel.pipeline.value_and_grad` under 1f1b: the tick loop in one ``shard_map``.
     ``make_tick(context) -> (tick, ring0)`` runs another schedule in the same loop (the same ticks, the
     activations and cotangents moving as here; :func:`jaxtron.parallel.zero_bubble.zb_h1_tick`); by default
-    1f1b's."""
+    1f1b's. ``tick`` is one function for every tick, or a tuple of phases ``(first tick, end, function)``
+    run as consecutive loops (a schedule whose ticks differ in what they may run)."""
     S = spec.stages
     chunks = chunked(stacked, stacked_specs, spec, mesh)
     mb0 = tree_index(micro, 0)
@@ -52,7 +53,9 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
         tick, ring0 = tick_fn(ctx)
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (local, shared))
         carry = (zeros_x, zeros_x, ring0, grads0, (zero_aux, report0))
-        (_, _, _, (g_local, g_shared), sums), _ = lax.scan(tick, carry, jnp.arange(spec.ticks))
+        for start, stop, fn in (tick if isinstance(tick, tuple) else ((0, spec.ticks, tick),)):
+            carry, _ = lax.scan(fn, carry, jnp.arange(start, stop))
+        _, _, _, (g_local, g_shared), sums = carry
         g_shared = lax.psum(g_shared, AXIS)   # embedding grads live on the first stage, head grads on the last
         sums = lax.psum(sums, AXIS)           # the loss's sums from the last stage, each stage's own report
         return jax.tree.map(lambda g: g[None, None], g_local), g_shared, sums

@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from jaxtron.jaxprs import scan_groups
+from jaxtron.parallel.backward_split import SplitBackward
+
 
 def _jaxpr_of(value) -> Jaxpr | None:
     if isinstance(value, ClosedJaxpr):
@@ -45,9 +48,10 @@ def _eqn_flow(eqn, ins: list[bool]) -> list[bool]:
     if not any(ins):
         return [False] * n_out
     name, params = eqn.primitive.name, eqn.params
-    if name == "scan":  # carries: iterate to a fixed point (a carry marked in one iteration stays marked)
+    groups = scan_groups(eqn) if name == "scan" else None
+    if groups is not None:  # carries: iterate to a fixed point (a carry marked in one iteration stays marked)
         body = params["jaxpr"].jaxpr
-        nc, ncarry = params["num_consts"], params["num_carry"]
+        nc, ncarry = groups
         carry = list(ins[nc:nc + ncarry])
         while True:
             out = _flow(body, ins[:nc] + carry + ins[nc + ncarry:])
@@ -112,6 +116,21 @@ class KeptVJP:
         it = iter(kept)
         pullback = jax.tree.unflatten(tree, [next(it) if k else leaf for leaf, k in zip(leaves, self.keep)])
         return pullback(ct)
+
+    def split(self, params, m, select=()) -> SplitBackward:
+        """:meth:`backward` split into B and W (:mod:`jaxtron.parallel.backward_split`), for the zero-bubble
+        schedules: ``input_part(params, kept, m, ct) -> (d_x, early d_params, stash)`` and
+        ``weight_part(params, kept, m, ct, stash) -> d_params``."""
+        kept = tuple(jnp.zeros(s.shape, s.dtype) for s in self.kept_shapes)
+        out = jax.eval_shape(lambda: self.fn(params, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                                                  self.x_shape), m, select)[0])
+        ct = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
+
+        def backward(params, kept, m, ct):
+            d_params, d_x = self.backward(params, kept, m, ct, select)
+            return d_x, d_params
+
+        return SplitBackward(backward, (params, kept, m, ct), (False, True, True, True))
 
     def kept_bytes(self) -> int:
         """Bytes of one micro batch's kept residuals (per device of this shard_map body)."""

@@ -3,13 +3,12 @@ of jaxtron's 1f1b loop, which micro batch each stage runs F (forward), B (backwa
 the previous stage needs now) and W (backward to the weights, which nothing waits for) on at each tick.
 
 ``parallel.pipeline_schedule=zb_h1`` runs the table in 1f1b's loop (:func:`zb_h1_tick`): F keeps the stage's VJP
-residuals, B applies them to the output cotangent for the input cotangent only and stores that output cotangent
-in a slot beside the residuals, W applies them again to the stored cotangent for the weight gradient. The
-stage's VJP is not split per matmul, so W runs the chain of input cotangents through the stage's layers again
-(every layer's but the first one's): a stage's backward costs B + W = 3 units of matmul work instead of 2. The
-table's bubble assumes W costs 1 unit. Measured (python -m jaxtron.plan, H100, tiny model, 2 stages, 64 micro
-batches): 2.04x 1f1b's counted dot FLOPs (the planner counts each of the loop body's two W slots whole) and twice
-its step time: correct, not faster until B keeps each matmul's output cotangent (docs/parallelism.md).
+residuals; B runs the part of the stage's pullback its input cotangent needs and keeps, beside the residuals,
+the output cotangent and what the rest of the pullback reads from B's part (per layer: the cotangents at the
+weight matmuls' outputs and the activations they multiply; :mod:`jaxtron.parallel.backward_split`); W runs that
+rest: the weight-gradient matmuls, not the chain of input cotangents again. Measured (python -m jaxtron.plan,
+H100, tiny model of 8 layers, remat=none, 64 micro batches): dot FLOPs over model FLOPs 1.039 at 2 stages
+against 1f1b's 1.043, 1.708 at 4 stages (8 micro batches) against 1.809 (docs/parallelism.md).
 
 The ticks. As in 1f1b (:mod:`jaxtron.parallel.one_f_one_b`), stage s runs F of micro batch m at tick m + s and B
 at tick m + 2S - 2 - s; all stages run each tick together, so a tick lasts as long as its busiest stage. With F,
@@ -128,11 +127,10 @@ def tick_arrays(table: TickTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, i
 
 def zb_h1_tick(c: TickContext):
     """The ZB-H1 tick, in the 1f1b loop (:func:`jaxtron.parallel.one_f_one_b.value_and_grad`): F as 1f1b's
-    (keeping the stage's VJP residuals), B the stage's backward to its input only (the pullback's weight part
-    is dead code there, which XLA removes), and the table's W's: the pullback again from the kept residuals and
-    the output cotangent B stored, its input part dead. W therefore runs the stage's input-cotangent matmuls a
-    second time (every layer's but the first one's, which only the input needs): the chain of cotangents through
-    the stage's layers that B computed is not kept, which would need the stage's VJP split per matmul."""
+    (keeping the stage's VJP residuals), B the input part of the stage's pullback (``KeptVJP.split``), keeping
+    the output cotangent and B's stash in slots beside the residuals, and the table's W's: the weight part, from
+    a micro batch's residuals, output cotangent and stash. The ticks run as phases by how many W's they hold
+    (:func:`phases`)."""
     S = c.spec.stages
     f_np, b_np, w_np, R = tick_arrays(zb_h1_table(S, c.spec.micro_batches))
     f_at, b_at, w_at = jnp.asarray(f_np), jnp.asarray(b_np), jnp.asarray(w_np)
@@ -150,18 +148,23 @@ def zb_h1_tick(c: TickContext):
         return (y, obj), report
 
     params = (c.local, c.shared)
-    kept = KeptVJP(f, params, c.zeros_x, jnp.zeros((), jnp.int32))
+    m0 = jnp.zeros((), jnp.int32)
+    kept = KeptVJP(f, params, c.zeros_x, m0)
+    split = kept.split(params, m0)
     obj_one = jnp.ones((), jax.eval_shape(f, params, c.zeros_x, 0, ())[0][1].dtype)
-    log_memory(c.spec, R, kept.kept_bytes() + nbytes(c.zeros_x), "the stage's VJP residuals and output cotangent")
+    log_memory(c.spec, R, kept.kept_bytes() + nbytes(c.zeros_x) + nbytes(split.stash_shapes),
+               "the stage's VJP residuals, output cotangent and what W reads from B")
+    zeros = lambda shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     ring0 = (tuple(jnp.zeros((R,) + a.shape, a.dtype) for a in kept.kept_shapes),
-             jnp.zeros((R,) + c.zeros_x.shape, c.zeros_x.dtype))
+             jnp.zeros((R,) + c.zeros_x.shape, c.zeros_x.dtype),
+             jax.tree.map(lambda s: jnp.zeros((R,) + s.shape, s.dtype), split.stash_shapes))
     no_local = jax.tree.map(jnp.zeros_like, c.local)
 
     def slot_of(ring, m):
-        return tuple(lax.dynamic_index_in_dim(r, m % R, 0, keepdims=False) for r in ring)
+        return jax.tree.map(lambda r: lax.dynamic_index_in_dim(r, m % R, 0, keepdims=False), ring)
 
-    def tick(carry, t):
-        fwd_in, bwd_in, (ring, dys), grads, (sums, report) = carry
+    def tick(carry, t, w_slots):
+        fwd_in, bwd_in, (ring, dys, stashes), grads, (sums, report) = carry
         m_f = f_at[t, c.s]
         mf = jnp.maximum(m_f, 0)
 
@@ -185,24 +188,45 @@ def zb_h1_tick(c: TickContext):
         def backward(grads, sums):
             mb = tree_index(c.micro, mb_i)
             dy, d_post, aux = c.output_cotangent(is_last, y, mb, bwd_in)
-            _, dx = kept.backward(params, slot_of(ring, mb_i), mb_i, (dy, obj_one))
-            grads = c.add_grads(grads, (no_local, d_post))
-            return grads, jax.tree.map(jnp.add, sums, aux), dx, dy
+            dx, early, stash = split.input_part(params, slot_of(ring, mb_i), mb_i, (dy, obj_one))
+            grads = c.add_grads(grads, jax.tree.map(jnp.add, early, (no_local, d_post)))
+            return grads, jax.tree.map(jnp.add, sums, aux), dx, dy, stash
 
-        grads, sums, dx, dy = lax.cond(m_b >= 0, backward, lambda g, a: (g, a, c.zeros_x, c.zeros_x), grads, sums)
+        def skip_backward(grads, sums):
+            return grads, sums, c.zeros_x, c.zeros_x, zeros(split.stash_shapes)
+
+        grads, sums, dx, dy, stash = lax.cond(m_b >= 0, backward, skip_backward, grads, sums)
+        # B of micro batch m writes slot m mod R, which m's W reads before the B of m + R (the span bound)
         slot_b = mb_i % R
-        dys = lax.dynamic_update_index_in_dim(dys, jnp.where(m_b >= 0, dy, dys[slot_b]), slot_b, 0)
+        keep = lambda r, a: lax.dynamic_update_index_in_dim(r, jnp.where(m_b >= 0, a, r[slot_b]), slot_b, 0)
+        dys = keep(dys, dy)
+        stashes = jax.tree.map(keep, stashes, stash)
 
-        for k in range(w_np.shape[2]):
+        for k in range(w_slots):
             m_w = w_at[t, c.s, k]
             mw = jnp.maximum(m_w, 0)
 
             def weights(grads, mw=mw):
-                d_params, _ = kept.backward(params, slot_of(ring, mw), mw, (dys[mw % R], obj_one))
+                d_params = split.weight_part(params, slot_of(ring, mw), mw, (dys[mw % R], obj_one),
+                                             slot_of(stashes, mw))
                 return c.add_grads(grads, d_params)
 
             grads = lax.cond(m_w >= 0, weights, lambda g: g, grads)
         fwd_next, bwd_next = c.send(y, dx)
-        return (fwd_next, bwd_next, (ring, dys), grads, (sums, report)), None
+        return (fwd_next, bwd_next, (ring, dys, stashes), grads, (sums, report)), None
 
-    return tick, ring0
+    return phases(w_np, tick), ring0
+
+
+def phases(w_at: np.ndarray, tick):
+    """The ticks as consecutive loops by the most W's any stage runs in them (fill: none, steady: one, drain:
+    two), so that no tick carries a W it never runs (a compiled conditional costs its branch's code, and the
+    planner counts it whole)."""
+    per_tick = (w_at >= 0).sum(axis=2).max(axis=1)
+    out, start = [], 0
+    for t in range(1, len(per_tick) + 1):
+        if t == len(per_tick) or per_tick[t] != per_tick[start]:
+            k = int(per_tick[start])
+            out.append((start, t, lambda carry, t, k=k: tick(carry, t, k)))
+            start = t
+    return tuple(out)

@@ -32,24 +32,12 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxtron.jaxprs import scan_groups
+
 # ops that move or relabel elements without arithmetic: a cast commutes with them exactly
 _LAYOUT_ONLY = ("sharding_constraint", "transpose")
 # ops that run a nested jaxpr on their operands one to one (a use inside is the use)
 _NESTED = ("jit", "pjit", "closed_call", "remat2", "checkpoint")
-
-
-def _scan_consts_and_carry(eqn) -> Optional[tuple[int, int]]:
-    """How many of a scan's operands are loop constants and carries: jax <= 0.11 says so in num_consts and
-    num_carry; jax 0.12 gives the three groups' structures in ft_in (consts, carry, xs; it also moves a carry
-    the body leaves unchanged into the constants). None where neither reads consistently."""
-    p = eqn.params
-    if "num_consts" in p:
-        return p["num_consts"], p["num_carry"]
-    try:  # a jax flat tree of (consts, carry, xs): unpack() gives the three, .vals each one's operands
-        consts, carry, xs = (len(list(g.vals)) for g in p["ft_in"].unpack())
-    except (KeyError, AttributeError, TypeError, ValueError):
-        return None
-    return (consts, carry) if consts + carry + xs == len(eqn.invars) else None
 
 
 def _inner(eqn, index: int):
@@ -57,7 +45,7 @@ def _inner(eqn, index: int):
     passed through one to one (a loop's constants and carries are used every iteration: not one use)."""
     name = eqn.primitive.name
     if name == "scan":
-        split = _scan_consts_and_carry(eqn)
+        split = scan_groups(eqn)
         if split is None or index < split[0] + split[1]:
             return None
         body = eqn.params["jaxpr"].jaxpr
