@@ -27,7 +27,9 @@ stopping=0
 # period (a stopped or hung child never acts on SIGTERM).
 stop_children() {
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  ( sleep "$grace"; for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done ) &
+  # Its output goes nowhere: an orphaned `sleep` holding this script's stdout/stderr would keep a reader of
+  # them (a pipe, `| tee`) waiting out the whole grace period after the script itself has exited.
+  ( sleep "$grace"; for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done ) >/dev/null 2>&1 &
   killer=$!
 }
 on_signal() {
