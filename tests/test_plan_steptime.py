@@ -178,10 +178,12 @@ def test_search_candidates_try_fp8_recipes_only_when_asked_and_drop_invalid_ones
     # kv heads x head_dim = 4 x 32 = 128: one tile, so blockwise never splits it over tensor
     assert blockwise and all(c.parallel.tensor == 1 for c in blockwise)
     assert any(c.parallel.tensor > 1 for c in cands if c.model.fp8 == "current")
-    # pipelines: 1f1b, gpipe, and circular with the virtual stage counts that split 4 layers into equal chunks
+    # pipelines: 1f1b, gpipe, circular with the virtual stage counts that split 4 layers into equal chunks, and
+    # zbv where they split into 2 x stage chunks
     piped = {(c.parallel.stage, c.parallel.pipeline_schedule, c.parallel.virtual_stages) for c in cands
              if c.parallel.stage > 1}
-    assert piped == {(2, "1f1b", 1), (2, "gpipe", 1), (2, "circular", 2), (4, "1f1b", 1), (4, "gpipe", 1)}, piped
+    assert piped == {(2, "1f1b", 1), (2, "gpipe", 1), (2, "circular", 2), (2, "zbv", 1), (4, "1f1b", 1),
+                     (4, "gpipe", 1)}, piped
 
 
 def test_search_schedules_cover_gpipe_and_every_even_virtual_split():
@@ -189,8 +191,10 @@ def test_search_schedules_cover_gpipe_and_every_even_virtual_split():
 
     assert _schedules(80, 1) == [("1f1b", 1)]
     # Llama-3-70B on 4 stages: 20 layers each, split into 2, 4 or 5 virtual chunks; on 8 stages: 2 or 5
-    assert _schedules(80, 4) == [("1f1b", 1), ("gpipe", 1), ("circular", 2), ("circular", 4), ("circular", 5)]
-    assert _schedules(80, 8) == [("1f1b", 1), ("gpipe", 1), ("circular", 2), ("circular", 5)]
+    assert _schedules(80, 4) == [("1f1b", 1), ("gpipe", 1), ("circular", 2), ("circular", 4), ("circular", 5),
+                                 ("zbv", 1)]
+    assert _schedules(80, 8) == [("1f1b", 1), ("gpipe", 1), ("circular", 2), ("circular", 5), ("zbv", 1)]
+    assert ("zbv", 1) not in _schedules(20, 8)   # 20 layers are not 16 equal chunks
 
 
 def test_the_step_models_constants_are_overridable():

@@ -220,7 +220,7 @@ def test_toy_chain_equals_one_device():
             report.append(jnp.concatenate(rep))
         return loss, (aux, sum(report))
 
-    (_, (aux, report)), grads = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(stacked, shared)
+    (_, (aux, report)), grads = jax.jit(jax.value_and_grad(total, argnums=(0, 1), has_aux=True))(stacked, shared)
     spec = PipelineSpec(S, M, "zbv")
     with jax.set_mesh(mesh):
         ((sums,), rep), got = jax.jit(lambda st, sh, mi: zero_bubble_v.value_and_grad(
@@ -245,3 +245,28 @@ def test_zbv_trains_like_one_device():
     cfg = config("parallel.stage=2", "parallel.tensor=2", "parallel.data=2", "parallel.pipeline_schedule=zbv",
                  f"train.micro_batch_size={batch // (micro_batches * dp)}")
     assert_same_training(training_record(cfg, jax.devices()), reference)
+
+
+def test_planner_counts_zbv_memory_and_its_repeated_input_chain():
+    """Llama-3-70B on tensor 8 x stage 8, 32 micro batches: zbv holds at most 2S chunk residuals (S stages'
+    worth) against 1f1b's 2S - 1 stage slots, and its step is ranked with W's repeated input chain (4/3 of
+    the matmuls) over its smaller bubble."""
+    from jaxtron.plan import model as pm
+    from jaxtron.plan.gpus import get_gpu
+
+    def planned(schedule):
+        cfg = load("llama3_70b", ["parallel.data=1", "parallel.fsdp=1", "parallel.tensor=8", "parallel.stage=8",
+                                  f"parallel.pipeline_schedule={schedule}"])
+        return cfg, Layout.planned(cfg, 64)
+
+    zbv, ofob = planned("zbv"), planned("1f1b")
+    assert zbv[1].bubble < ofob[1].bubble
+    mem_zbv, mem_1f1b = pm.closed_form_memory(*zbv), pm.closed_form_memory(*ofob)
+    assert mem_zbv["activations"] < mem_1f1b["activations"]
+    gpu = get_gpu("h100")
+    ratio = pm.compute_seconds(*zbv, gpu, pm.hardware_flops_per_device(*zbv)) / \
+        pm.compute_seconds(*ofob, gpu, pm.hardware_flops_per_device(*ofob))
+    step = lambda planned: pm.closed_form_step_s(*planned, gpu, 64)  # noqa: E731
+    comm = lambda c: pm.hbm_bytes(*c) / (gpu.hbm_gbps * 1e9) + pm.closed_form_comm_s(*c, gpu, 64)  # noqa: E731
+    want = ratio * (4 / 3) * (1 - ofob[1].bubble) / (1 - zbv[1].bubble)
+    assert (step(zbv) - comm(zbv)) / (step(ofob) - comm(ofob)) == pytest.approx(want)

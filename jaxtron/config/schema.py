@@ -46,10 +46,13 @@ class ParallelConfig:
     pipeline_schedule: str = _f("1f1b", "With stage > 1: '1f1b' (one forward and one backward per tick, "
                                         "activation memory flat in the number of micro batches), 'gpipe' "
                                         "(fill-drain, gradients through the loop), 'circular' (interleaved "
-                                        "virtual stages, see virtual_stages) or 'zb_h1' (1f1b with each "
+                                        "virtual stages, see virtual_stages), 'zb_h1' (1f1b with each "
                                         "backward split into the input gradient and a deferred weight "
                                         "gradient that fills the bubble: (S-1)/(3M+S-1); its weight step "
-                                        "repeats the input-gradient chain today, docs/parallelism.md).")
+                                        "repeats the input-gradient chain today, docs/parallelism.md) or "
+                                        "'zbv' (ZB-V: two layer chunks per device in a V, the weight "
+                                        "gradients deferred into the bubble, at most 2S chunk residuals "
+                                        "held; needs num_layers divisible by 2 x stage; same caveat).")
     virtual_stages: int = _f(1, "circular schedule: layer chunks per device (Megatron's virtual pipeline); "
                                 "the bubble shrinks from (S-1)/(M+S-1) to (S-1)/(V*M+S-1).")
     pipeline_fsdp_gather_once: bool = _f(False, "With stage > 1 and fsdp > 1: all-gather each stage's weights "

@@ -33,6 +33,8 @@ import numpy as np
 
 from jaxtron.config import Config, gmm_impl, head_dim
 from jaxtron.parallel.layout import Layout
+from jaxtron.parallel.pipeline import CAST_BEFORE_LOOP
+from jaxtron.parallel.zero_bubble_v_table import zbv_arrays, zbv_table
 from jaxtron.plan import moe as pmoe
 from jaxtron.plan import nccl
 from jaxtron.plan.gpus import GpuSpec
@@ -148,6 +150,12 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     saved = tokens * _act_bytes_per_token(m, t, sp, m.remat) / layout.stages
     if layout.stages > 1 and cfg.parallel.pipeline_recompute:
         saved += 2 * layout.stages * tokens * m.hidden_size * 2
+    elif layout.stages > 1 and cfg.parallel.pipeline_schedule == "zbv":
+        # its table's peak of chunk residuals (a chunk is half a stage), and the buffer ring of activation-sized
+        # inputs and output cotangents waiting for their F, B and W
+        table = zbv_table(layout.stages, layout.accumulation_steps)
+        saved *= max(table.peak_in_flight) / 2
+        saved += zbv_arrays(table).buf_slots * tokens * m.hidden_size * 2 / (t if sp else 1)
     elif layout.stages > 1:
         in_flight = (2 * layout.stages - 1 if cfg.parallel.pipeline_schedule in ("1f1b", "zb_h1")
                      else layout.accumulation_steps)
@@ -160,7 +168,7 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
         #                                  stored) and its gradient accumulator unsharded over fsdp all step
         pbytes = param_bytes(m)
         stage_params = st["param_count"] / (t * layout.stages)
-        wbytes = 2 if cfg.parallel.pipeline_schedule in ("1f1b", "zb_h1") and cfg.train.cast_params_once else pbytes
+        wbytes = 2 if cfg.parallel.pipeline_schedule in CAST_BEFORE_LOOP and cfg.train.cast_params_once else pbytes
         gathered, acc = stage_params * wbytes, stage_params * pbytes
     temp = saved + working + logits + gathered + acc + st["grads"]
     total = st["params"] + st["optimizer"] + temp
@@ -376,7 +384,10 @@ def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
     remat=full already recomputes it)."""
     compute = compute_seconds(cfg, layout, gpu, hardware_flops_per_device(cfg, layout, moe_gemm), moe_gemm)
     if layout.stages > 1:
-        again = cfg.parallel.pipeline_recompute and cfg.model.remat != "full"
+        # zbv's W runs the chunk's input-cotangent chain again (jaxtron/parallel/zero_bubble_v.py): about one more
+        # forward's worth of matmuls per micro batch, as a recomputed forward
+        again = (cfg.parallel.pipeline_recompute and cfg.model.remat != "full") or \
+            cfg.parallel.pipeline_schedule == "zbv"
         compute *= (4.0 / 3.0 if again else 1.0) / (1.0 - layout.bubble)
     return (compute + hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
             + closed_form_comm_s(cfg, layout, gpu, num_gpus, moe_gemm))

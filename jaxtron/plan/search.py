@@ -38,11 +38,13 @@ def _stages(cfg: Config, devices: int, context: int) -> list[int]:
 
 
 def _schedules(num_layers: int, stage: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) --search tries under ``stage`` > 1 stages: 1f1b, gpipe, and circular with
-    every virtual stage count from 2 to 8 that splits the layers into ``stage x virtual`` equal chunks."""
+    """(schedule, virtual stages) --search tries under ``stage`` > 1 stages: 1f1b, gpipe, circular with every
+    virtual stage count from 2 to 8 that splits the layers into ``stage x virtual`` equal chunks, and zbv where
+    the layers split into its 2 x stage chunks."""
     if stage <= 1:
         return [("1f1b", 1)]
-    return [("1f1b", 1), ("gpipe", 1)] + [("circular", v) for v in range(2, 9) if num_layers % (v * stage) == 0]
+    return [("1f1b", 1), ("gpipe", 1)] + [("circular", v) for v in range(2, 9) if num_layers % (v * stage) == 0] \
+        + ([("zbv", 1)] if num_layers % (2 * stage) == 0 else [])
 
 
 def candidate_configs(cfg: Config, num_gpus: int, gpus_per_node: int = 8,
