@@ -81,7 +81,7 @@ def test_mtp_loss_and_gradients_equal_a_reimplementation(depth, chunk):
     def objective(p):
         return _reference_objective(nnx.merge(graphdef, p, rest), batch, depth, coef)
 
-    # jitted: op by op, the reference's forward and backward were most of this test's time
+    # jitted: run op by op, the reference's forward and backward took a fifth of this test's CPU time
     (_, ref_mtp), ref_grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
     grads, _ = trainer.gradients(put_batch(batch, trainer.batch_sharding))
     ref_grads = nnx.to_pure_dict(ref_grads)
