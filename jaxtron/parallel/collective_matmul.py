@@ -48,7 +48,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.parallel.axes import TENSOR
-from jaxtron.parallel.sharding import current_context, logical_to_spec
+from jaxtron.parallel.sharding import current_context, logical_to_spec, mesh_axes_of
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,6 @@ def _log_once(message: str) -> None:
         log.info(message)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _parse(spec: str) -> tuple[str, str, str]:
     ins, out = spec.replace(" ", "").split("->")
     xs, ws = ins.split(",")
@@ -97,7 +93,7 @@ def plan(spec: str, x_shape: Sequence[int], w_names: Sequence[Optional[str]]) ->
         return None
     rules, mesh = ctx
     t = dict(mesh.shape).get(TENSOR, 1)
-    seq_axes = _axes(logical_to_spec((RESIDUAL_SEQ,), rules)[0])
+    seq_axes = mesh_axes_of(logical_to_spec((RESIDUAL_SEQ,), rules)[0])
     if t <= 1 or TENSOR not in seq_axes or any(dict(mesh.shape)[a] > 1 for a in seq_axes if a != TENSOR):
         return None  # no sequence parallelism over tensor, or the sequence split over context too
     if any(kind == AxisType.Manual for kind in getattr(mesh, "axis_types", ())):
@@ -111,8 +107,9 @@ def plan(spec: str, x_shape: Sequence[int], w_names: Sequence[Optional[str]]) ->
     tokens = [c for c in xs if c not in ws]
     if len(tokens) != 2 or any(c not in ys for c in tokens) or x_shape[xs.index(tokens[1])] % t:
         return None  # not [batch, seq, ...] activations, or a sequence that does not split into T chunks
-    on_tensor = [c for c, n in zip(ws, names) if n is not None and TENSOR in _axes(logical_to_spec((n,), rules)[0])]
-    if len(on_tensor) != 1 or _axes(logical_to_spec((names[ws.index(on_tensor[0])],), rules)[0]) != (TENSOR,):
+    on_tensor = [c for c, n in zip(ws, names)
+                 if n is not None and TENSOR in mesh_axes_of(logical_to_spec((n,), rules)[0])]
+    if len(on_tensor) != 1 or mesh_axes_of(logical_to_spec((names[ws.index(on_tensor[0])],), rules)[0]) != (TENSOR,):
         return None
     contracted = [n for c, n in zip(ws, names) if c in xs]
     produced = [n for c, n in zip(ws, names) if c not in xs]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtron.parallel.sharding import constrain, current_context, devices_are_cpu, logical_to_spec
+from jaxtron.parallel.sharding import constrain, current_context, devices_are_cpu, logical_to_spec, mesh_axes_of
 
 
 # False inside :func:`gspmd_lookup`
@@ -46,12 +46,6 @@ def gspmd_lookup():
         _PER_DEVICE.reset(token)
 
 
-def _axes(name: str, rules, mesh) -> tuple[str, ...]:
-    entry = logical_to_spec((name,), rules)[0]
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return tuple(a for a in axes if mesh.shape[a] > 1)
-
-
 def lookup(table: jax.Array, tokens: jax.Array, dtype, table_names) -> jax.Array:
     """Rows of ``table`` [vocab, hidden] at ``tokens`` [batch, seq], in ``dtype``: [batch, seq, hidden]. The
     table is constrained to the logical ``table_names`` first (the embedding: gathered over FSDP, vocab over
@@ -59,7 +53,8 @@ def lookup(table: jax.Array, tokens: jax.Array, dtype, table_names) -> jax.Array
     ``jnp.take``."""
     ctx = current_context() if _PER_DEVICE.get() else None
     mesh = ctx[1] if ctx is not None else None
-    batch, seq = (_axes("act_batch", ctx[0], mesh), _axes("act_seq", ctx[0], mesh)) if mesh is not None else ((), ())
+    batch, seq = (tuple(mesh_axes_of(logical_to_spec((name,), ctx[0])[0], mesh) for name in ("act_batch", "act_seq"))
+                  if mesh is not None else ((), ()))
     seq = tuple(a for a in seq if a not in batch)  # rules may put both on one axis: it splits the batch then
     n_batch, n_seq = (math.prod(mesh.shape[a] for a in axes) if axes else 1 for axes in (batch, seq))
     if n_batch * n_seq == 1 or tokens.shape[0] % n_batch or tokens.shape[1] % n_seq:

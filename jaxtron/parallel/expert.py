@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.config.schema import Config, ConfigError
-from jaxtron.parallel.sharding import current_context, devices_are_cpu, logical_to_spec
+from jaxtron.parallel.sharding import current_context, devices_are_cpu, logical_to_spec, mesh_axes_of
 
 IMPLEMENTATIONS = ("all_to_all", "ragged_all_to_all")
 WEIGHT_NAME = "experts"  # the logical name of the expert stacks' leading axis (rules.py maps it onto the expert axis)
@@ -87,14 +87,6 @@ def check_expert(cfg: Config, expert: Optional[int], platform: Optional[str] = N
         if platform == "cpu":
             raise ConfigError("model.moe.ep_dispatch", "ragged_all_to_all runs on GPUs only (XLA:CPU has no "
                                                        "ragged all-to-all); use all_to_all")
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _split(names: Sequence[str], rules) -> tuple[str, ...]:
-    return _axes(logical_to_spec(tuple(names), rules)[0])
 
 
 def capacity(tokens: int, k: int, ranks: int, local_experts: int, factor: Optional[float]) -> int:
@@ -159,8 +151,8 @@ def dispatch(x, experts, weights, expert_weights: Sequence, ffn: Callable, plain
     if ctx is None or ctx[1] is None:
         return plain()
     rules, mesh = ctx
-    ep_axes = tuple(a for a in _split((WEIGHT_NAME,), rules) if mesh.shape[a] > 1)
-    batch, seq = _split(("act_batch",), rules), _split(("act_res_seq",), rules)
+    ep_axes = mesh_axes_of(logical_to_spec((WEIGHT_NAME,), rules)[0], mesh)
+    batch, seq = (mesh_axes_of(logical_to_spec((name,), rules)[0]) for name in ("act_batch", "act_res_seq"))
     seq = tuple(a for a in seq if a not in batch)  # rules may put both on one axis: it splits the batch then
     assert set(ep_axes) <= set(batch), f"expert axes {ep_axes} must split the batch ({batch}): EP within DP"
     n_batch = math.prod(mesh.shape[a] for a in batch)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.parallel import context_flash
-from jaxtron.parallel.sharding import constrain, current_context, logical_to_spec
+from jaxtron.parallel.sharding import constrain, current_context, logical_to_spec, mesh_axes_of
 
 Q_NAMES = ("act_batch", "act_attn_seq", "act_attn_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_kv_seq", "act_attn_kv_heads", "act_head_dim")
@@ -32,15 +32,9 @@ ROW_NAMES = ("act_batch", "act_attn_seq")
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def _axes(mesh, spec) -> tuple[str, ...]:
-    """The mesh axes of a spec entry that have more than one device."""
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-    return tuple(a for a in axes if mesh.shape[a] > 1)
-
-
 def _size(mesh, spec) -> int:
     n = 1
-    for a in _axes(mesh, spec):
+    for a in mesh_axes_of(spec, mesh):
         n *= mesh.shape[a]
     return n
 
@@ -60,9 +54,9 @@ def sequence_attention(q, k, v, segment_ids: Optional[jax.Array], positions: Opt
     # the axes as the arrays' specs resolve them: a name whose mesh axis an earlier name of the same array
     # took (act_kv_seq moved onto an axis of act_batch) leaves that dimension whole
     q_spec, kv_spec = logical_to_spec(Q_NAMES, rules), logical_to_spec(KV_NAMES, rules)
-    ring_axes, q_axes = _axes(mesh, kv_spec[1]), _axes(mesh, q_spec[1])
+    ring_axes, q_axes = mesh_axes_of(kv_spec[1], mesh), mesh_axes_of(q_spec[1], mesh)
     # the heads are exchanged for the sequence only over axes that split the sequence
-    exchange = tuple(a for a in _axes(mesh, logical_to_spec(("act_attn_head_exchange",), rules)[0])
+    exchange = tuple(a for a in mesh_axes_of(logical_to_spec(("act_attn_head_exchange",), rules)[0], mesh)
                      if a in ring_axes)
     split = _size(mesh, kv_spec[2]) * _size(mesh, exchange)
     if k.shape[2] % split:

@@ -73,8 +73,16 @@ def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def mesh_axes_of(entry, mesh: Optional[Mesh] = None) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry (or one ``logical_to_spec`` result) splits its dimension over,
+    as a tuple: ``()`` for ``None``, ``(a,)`` for one name ``a``, the names in order for a tuple. With ``mesh``,
+    only those of more than one device there (an axis the mesh lacks counts as one).
+
+    A spec entry has three spellings for one thing; code that asks "is ``tensor`` among them", multiplies their
+    sizes or appends an axis needs the tuple, and the parallel modules (collective matmul, expert dispatch,
+    ZeRO, ring attention, the embedding lookup) all ask it, so it is spelled once here."""
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return axes if mesh is None else tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
 def matmul_weight(w: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
@@ -95,11 +103,11 @@ def matmul_weight(w: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
         return w
     rules, mesh = ctx
     names = tuple(names)[len(names) - w.ndim:]
-    tokens = {a for name in ("act_batch", "act_seq") for a in _mesh_axes(logical_to_spec((name,), rules)[0])}
+    tokens = {a for name in ("act_batch", "act_seq") for a in mesh_axes_of(logical_to_spec((name,), rules)[0])}
     spec = list(logical_to_spec(names, rules))
     changed = False
     for i, name in enumerate(names):
-        axes = _mesh_axes(spec[i])
+        axes = mesh_axes_of(spec[i])
         if name is None or not tokens & set(axes) or logical_to_spec((f"act_{name}",), rules)[0] is None:
             continue
         kept = tuple(a for a in axes if a not in tokens)
@@ -186,8 +194,7 @@ def per_shard_2d(fn, dims: dict, in_dims: Sequence[str], out_dims: Sequence[str]
     axes = {}
     for letter, names in dims.items():
         spec = logical_to_spec(tuple(names), rules)
-        axes[letter] = tuple(a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)
-                             if mesh.shape.get(a, 1) > 1)
+        axes[letter] = tuple(a for entry in spec for a in mesh_axes_of(entry, mesh))
     spec = lambda d: PartitionSpec(*(axes[c] or None for c in d))  # noqa: E731
 
     def sum_over(x, letter):

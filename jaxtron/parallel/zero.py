@@ -20,10 +20,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron.parallel.axes import DATA
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+from jaxtron.parallel.sharding import mesh_axes_of
 
 
 def zero_sharding(sharding: NamedSharding, shape) -> NamedSharding:
@@ -31,12 +28,12 @@ def zero_sharding(sharding: NamedSharding, shape) -> NamedSharding:
     mesh = sharding.mesh
     size = mesh.shape.get(DATA, 1)
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    if size == 1 or any(DATA in _axes(e) for e in spec):
+    if size == 1 or any(DATA in mesh_axes_of(e) for e in spec):
         return sharding
     for i, (dim, entry) in enumerate(zip(shape, spec)):
-        split = math.prod(mesh.shape[a] for a in _axes(entry))
+        split = math.prod(mesh.shape[a] for a in mesh_axes_of(entry))
         if dim % (split * size) == 0:
-            spec[i] = _axes(entry) + (DATA,)
+            spec[i] = mesh_axes_of(entry) + (DATA,)
             return NamedSharding(mesh, PartitionSpec(*spec))
     return sharding
 
