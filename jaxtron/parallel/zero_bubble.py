@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxtron.parallel.one_f_one_b import TickContext
+from jaxtron.parallel.one_f_one_b import TickContext, tick_phases
 from jaxtron.parallel.pipeline_layout import log_memory, nbytes, tree_index
 from jaxtron.parallel.residuals import KeptVJP
 
@@ -163,7 +163,7 @@ def zb_h1_tick(c: TickContext):
     def slot_of(ring, m):
         return jax.tree.map(lambda r: lax.dynamic_index_in_dim(r, m % R, 0, keepdims=False), ring)
 
-    def tick(carry, t, w_slots):
+    def tick(carry, t, has_f, has_b, w_slots):
         fwd_in, bwd_in, (ring, dys, stashes), grads, (sums, report) = carry
         m_f = f_at[t, c.s]
         mf = jnp.maximum(m_f, 0)
@@ -176,11 +176,13 @@ def zb_h1_tick(c: TickContext):
             return c.zeros_x, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), report), \
                 tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
 
-        y, rep, res = lax.cond(m_f >= 0, forward, skip_forward)
-        report = jax.tree.map(lambda r, a: r.at[c.s].add(a), report, rep)
-        # A skipped F writes zeros into slot (t - s) mod R, whose last user's W ran at least a tick ago (R is
-        # one more than the longest F-to-W span), as in 1f1b's ring.
-        ring = tuple(lax.dynamic_update_index_in_dim(r, a, (t - c.s) % R, 0) for r, a in zip(ring, res))
+        y = c.zeros_x
+        if has_f:
+            y, rep, res = lax.cond(m_f >= 0, forward, skip_forward)
+            report = jax.tree.map(lambda r, a: r.at[c.s].add(a), report, rep)
+            # A skipped F writes zeros into slot (t - s) mod R, whose last user's W ran at least a tick ago (R is
+            # one more than the longest F-to-W span), as in 1f1b's ring.
+            ring = tuple(lax.dynamic_update_index_in_dim(r, a, (t - c.s) % R, 0) for r, a in zip(ring, res))
 
         m_b = b_at[t, c.s]
         mb_i = jnp.maximum(m_b, 0)
@@ -195,12 +197,14 @@ def zb_h1_tick(c: TickContext):
         def skip_backward(grads, sums):
             return grads, sums, c.zeros_x, c.zeros_x, zeros(split.stash_shapes)
 
-        grads, sums, dx, dy, stash = lax.cond(m_b >= 0, backward, skip_backward, grads, sums)
-        # B of micro batch m writes slot m mod R, which m's W reads before the B of m + R (the span bound)
-        slot_b = mb_i % R
-        keep = lambda r, a: lax.dynamic_update_index_in_dim(r, jnp.where(m_b >= 0, a, r[slot_b]), slot_b, 0)
-        dys = keep(dys, dy)
-        stashes = jax.tree.map(keep, stashes, stash)
+        dx = c.zeros_x
+        if has_b:
+            grads, sums, dx, dy, stash = lax.cond(m_b >= 0, backward, skip_backward, grads, sums)
+            # B of micro batch m writes slot m mod R, which m's W reads before the B of m + R (the span bound)
+            slot_b = mb_i % R
+            keep = lambda r, a: lax.dynamic_update_index_in_dim(r, jnp.where(m_b >= 0, a, r[slot_b]), slot_b, 0)
+            dys = keep(dys, dy)
+            stashes = jax.tree.map(keep, stashes, stash)
 
         for k in range(w_slots):
             m_w = w_at[t, c.s, k]
@@ -215,18 +219,6 @@ def zb_h1_tick(c: TickContext):
         fwd_next, bwd_next = c.send(y, dx)
         return (fwd_next, bwd_next, (ring, dys, stashes), grads, (sums, report)), None
 
-    return phases(w_np, tick), ring0
-
-
-def phases(w_at: np.ndarray, tick):
-    """The ticks as consecutive loops by the most W's any stage runs in them (fill: none, steady: one, drain:
-    two), so that no tick carries a W it never runs (a compiled conditional costs its branch's code, and the
-    planner counts it whole)."""
-    per_tick = (w_at >= 0).sum(axis=2).max(axis=1)
-    out, start = [], 0
-    for t in range(1, len(per_tick) + 1):
-        if t == len(per_tick) or per_tick[t] != per_tick[start]:
-            k = int(per_tick[start])
-            out.append((start, t, lambda carry, t, k=k: tick(carry, t, k)))
-            start = t
-    return tuple(out)
+    kinds = [(bool((f_np[t] >= 0).any()), bool((b_np[t] >= 0).any()), int((w_np[t] >= 0).sum(axis=1).max()))
+             for t in range(len(f_np))]
+    return tick_phases(kinds, tick), ring0
