@@ -66,13 +66,15 @@ def nbytes(tree: Any) -> int:
     return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-def log_memory(spec: PipelineSpec, slots: int, slot_bytes: int, what: str) -> None:
+def log_memory(spec: PipelineSpec, slots: int, slot_bytes: int, what: str, unit: str = "micro batches") -> None:
     """The activation memory the schedule keeps between a micro batch's forward and backward, logged when the
-    step is traced (at start-up). Sizes are per stage: a stage's data, FSDP and tensor devices split them."""
+    step is traced (at start-up). Sizes are per stage: a stage's data, FSDP and tensor devices split them.
+    ``unit``: what one slot holds (zbv's hold one chunk of one micro batch)."""
     mib = 2.0 ** 20
-    log.info("pipeline %s: %d stages, %d micro batches, bubble %.1f%%; keeps %s of %d micro batches per stage: "
+    log.info("pipeline %s: %d stages, %d micro batches, bubble %.1f%%; keeps %s of %d %s per stage: "
              "%d x %.2f MiB = %.1f MiB (split over the stage's devices)%s", spec.schedule, spec.stages,
-             spec.micro_batches, 100 * spec.bubble, what, slots, slots, slot_bytes / mib, slots * slot_bytes / mib,
+             spec.micro_batches, 100 * spec.bubble, what, slots, unit, slots, slot_bytes / mib,
+             slots * slot_bytes / mib,
              "; parallel.pipeline_recompute runs each stage forward twice" if spec.recompute else "")
 
 

@@ -68,9 +68,9 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
         kept = KeptVJP(f, params, zeros_x, zero_i, zero_i)
         obj_one = jnp.ones((), jax.eval_shape(f, params, zeros_x, 0, 0)[0][1].dtype)
         log_memory(spec, arrays.res_slots, kept.kept_bytes(),
-                   f"the VJP residuals (a slot: one chunk, half a stage's layers, of one micro batch; plus "
-                   f"{arrays.buf_slots} buffers of inputs and cotangents, "
-                   f"{arrays.buf_slots * nbytes(zeros_x) / 2 ** 20:.2f} MiB)")
+                   f"the VJP residuals (and {arrays.buf_slots} buffers of inputs and cotangents, "
+                   f"{arrays.buf_slots * nbytes(zeros_x) / 2 ** 20:.2f} MiB)",
+                   "(chunk, micro batch) pairs (a chunk: half a stage's layers)")
         ring0 = tuple(jnp.zeros((arrays.res_slots,) + a.shape, a.dtype) for a in kept.kept_shapes)
         buf0 = jnp.zeros((arrays.buf_slots,) + zeros_x.shape, zeros_x.dtype)
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
