@@ -76,7 +76,7 @@ SEG_CASES = [
     ("bf16-gqa4-full-seg-d128-s72", 12, 1, 72, 4, 1, 128, jnp.bfloat16, False, {}),
     ("f16-mha-causal-seg-d64-s256-3slots", 13, 1, 256, 1, 1, 64, jnp.float16, True,
      {"block_k": 64, "num_stages": 3, "num_stages_bwd": 3}),
-    ("bf16-gqa2-causal-seg-d128-s200-dqkernel", 14, 1, 200, 4, 2, 128, jnp.bfloat16, True, {"fuse_dq": False}),
+    ("bf16-gqa2-causal-seg-d128-s200-dqkernel", 14, 1, 200, 2, 1, 128, jnp.bfloat16, True, {"fuse_dq": False}),
 ]
 
 
