@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import re
@@ -78,11 +79,19 @@ def _symbol_offsets(path: str, names: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
+@functools.cache
+def compiler_entry() -> tuple[str, dict[str, int]]:
+    """The plugin's path and the offsets of the symbols the child calls: found once (about 3 s: the plugin's
+    import and `nm` over it) and handed to every child in $MOSAIC_SASS_ENTRY."""
+    path = str(plugin_library())
+    return path, _symbol_offsets(path, ("MosaicGpuCompile", _ENSURE_NVPTX))
+
+
 def compile_child(module_path: str) -> int:
     """In the child process (stand-in driver loaded): compile one serialized Mosaic GPU module."""
-    path = plugin_library()
+    given = os.environ.get("MOSAIC_SASS_ENTRY")
+    path, offsets = json.loads(given) if given else compiler_entry()
     dll = ctypes.CDLL(path)
-    offsets = _symbol_offsets(path, ("MosaicGpuCompile", _ENSURE_NVPTX))
     compile_fn = dll.MosaicGpuCompile
     # MosaicGpuCompile asks LLVM for the sm_90a target before registering it (the plugin's own compile path
     # registers it first); call the plugin's registration function at its address.
@@ -133,7 +142,8 @@ def compile_module(module: bytes, driver_dir: str, workdir: str, sass: bool = Fa
     path = os.path.join(workdir, "module.mlirbc")
     with open(path, "wb") as f:
         f.write(module)
-    env = dict(os.environ, LD_LIBRARY_PATH=driver_dir, MOSAIC_GPU_DUMP_PTXAS="1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, LD_LIBRARY_PATH=driver_dir, MOSAIC_GPU_DUMP_PTXAS="1", JAX_PLATFORMS="cpu",
+               MOSAIC_SASS_ENTRY=json.dumps(compiler_entry()))
     if sass:                            # Mosaic runs nvdisasm from $MOSAIC_GPU_CUDA_ROOT/bin
         root = os.path.join(workdir, "cuda_root")
         os.makedirs(os.path.join(root, "bin"), exist_ok=True)
