@@ -52,7 +52,7 @@ class ParallelConfig:
                                         "repeats the input-gradient chain today, docs/parallelism.md) or "
                                         "'zbv' (ZB-V: two layer chunks per device in a V, the weight "
                                         "gradients deferred into the bubble, at most 2S chunk residuals "
-                                        "held; needs num_layers divisible by 2 x stage; same caveat).")
+                                        "held; needs num_layers divisible by 2 x stage).")
     virtual_stages: int = _f(1, "circular schedule: layer chunks per device (Megatron's virtual pipeline); "
                                 "the bubble shrinks from (S-1)/(M+S-1) to (S-1)/(V*M+S-1).")
     pipeline_fsdp_gather_once: bool = _f(False, "With stage > 1 and fsdp > 1: all-gather each stage's weights "

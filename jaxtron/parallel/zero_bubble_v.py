@@ -4,16 +4,18 @@ in one ``shard_map`` manual over ``stage`` and one ``lax.scan`` over its ticks.
 
 A tick runs one op per device: F of a chunk (``jax.vjp`` of its layers, the residuals kept in a ring slot;
 device 0's chunk 0 starts with the embedding, its chunk 1 ends in the loss, whose cotangent is taken in the
-same tick), B (the kept pullback applied to the chunk's output cotangent, for its input cotangent) or W (the
-same pullback again, for its weight gradient). The op's output is sent both ways (``ppermute`` to d + 1 and to
-d - 1) and kept for the device itself: the table says which receiver keeps it and in which slot of the
-activation-shaped buffer ring (inputs waiting for their F, output cotangents waiting for their B and W).
+same tick), B (the input part of the kept pullback, split at its jaxpr by
+:class:`~jaxtron.parallel.backward_split.SplitBackward`: the chunk's input cotangent, and a stash of what W
+reads, the layers' output cotangents and the activations their weight dots take) or W (the weight part, from
+the residuals, the output cotangent and the stash: no input-cotangent chain run again). The op's output is
+sent both ways (``ppermute`` to d + 1 and to d - 1) and kept for the device itself: the table says which
+receiver keeps it and in which slot of the activation-shaped buffer ring (inputs waiting for their F, output
+cotangents waiting for their B and W).
 
-Costs, honestly. W takes the pullback's weight part only; the pullback is not split per matmul, so W runs the
-chunk's chain of input cotangents again (every layer's but the first one's), as zb_h1's W does
-(:mod:`jaxtron.parallel.zero_bubble`): a chunk's backward is B + W = 3 units of matmul work where 2 would do,
-until B keeps each matmul's output cotangent. Each tick moves two activation-sized buffers (one each way), of
-which at most one is needed: about 6M ticks move what 1f1b's M + 2S - 2 ticks move twice each.
+Costs, honestly. A (chunk, micro batch) slot holds its residuals from F to W and its stash from B to W. Each
+tick moves two activation-sized buffers (one each way), of which at most one is needed: about 6M ticks move
+what 1f1b's M + 2S - 2 ticks move twice each, about 6x 1f1b's stage-to-stage bytes. Under FSDP without
+``parallel.pipeline_fsdp_gather_once`` each of F, B and W gathers its chunk's weights.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxtron.parallel.backward_split import SplitBackward
 from jaxtron.parallel.pipeline_layout import (AXIS, PipelineSpec, chunked, in_stage_rules, layer_order, log_memory,
                                               nbytes, replicated, side_zeros, stage_shard_map, stage_specs,
                                               tree_index, unchunked)
@@ -67,11 +70,16 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
         zero_i = jnp.zeros((), jnp.int32)
         kept = KeptVJP(f, params, zeros_x, zero_i, zero_i)
         obj_one = jnp.ones((), jax.eval_shape(f, params, zeros_x, 0, 0)[0][1].dtype)
-        log_memory(spec, arrays.res_slots, kept.kept_bytes(),
-                   f"the VJP residuals (and {arrays.buf_slots} buffers of inputs and cotangents, "
-                   f"{arrays.buf_slots * nbytes(zeros_x) / 2 ** 20:.2f} MiB)",
+        split = _split_backward(kept, params, (zeros_x, obj_one), zero_i)
+        log_memory(spec, arrays.res_slots, kept.kept_bytes() + nbytes(split.stash_shapes),
+                   f"the VJP residuals and what W reads from B (and {arrays.buf_slots} buffers of inputs and "
+                   f"cotangents, {arrays.buf_slots * nbytes(zeros_x) / 2 ** 20:.2f} MiB)",
                    "(chunk, micro batch) pairs (a chunk: half a stage's layers)")
-        ring0 = tuple(jnp.zeros((arrays.res_slots,) + a.shape, a.dtype) for a in kept.kept_shapes)
+        def zeros(shapes, lead=()):
+            return jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shapes)
+
+        # a (chunk, micro batch)'s residuals from its F, and what its W reads from its B (the stash), in one slot
+        ring0 = (tuple(zeros(kept.kept_shapes, (arrays.res_slots,))), zeros(split.stash_shapes, (arrays.res_slots,)))
         buf0 = jnp.zeros((arrays.buf_slots,) + zeros_x.shape, zeros_x.dtype)
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
 
@@ -79,7 +87,7 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
             return accumulate(grads, jax.tree.map(lambda g, x: x.astype(g.dtype), grads, d))
 
         def slot_of(ring, i):
-            return tuple(lax.dynamic_index_in_dim(r, i, 0, keepdims=False) for r in ring)
+            return jax.tree.map(lambda r: lax.dynamic_index_in_dim(r, i, 0, keepdims=False), ring)
 
         def put(buf, i, x):
             """``buf[i] = x`` where i >= 0 (a dropped buffer writes nothing)."""
@@ -87,7 +95,7 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
             return lax.dynamic_update_index_in_dim(buf, jnp.where(i >= 0, x, buf[j]), j, 0)
 
         def tick(carry, t):
-            (from_left, from_right, own), buf, ring, grads, (sums, report) = carry
+            (from_left, from_right, own), buf, (ring, stashes), grads, (sums, report) = carry
             for src, x in ((LEFT, from_left), (RIGHT, from_right), (SELF, own)):
                 buf = put(buf, at["recv"][t, s, src], x)
             op, c, m = at["op"][t, s], at["chunk"][t, s], jnp.maximum(at["micro"][t, s], 0)
@@ -119,21 +127,27 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
             grads, sums, dy = lax.cond(at["head_slot"][t, s] >= 0, head, lambda g, a: (g, a, zeros_x), grads, sums)
             buf = put(buf, at["head_slot"][t, s], dy)
 
-            # B and W, the two uses of the kept pullback (the one place to change for a split backward)
-            def input_grad():
-                return kept.backward(params, slot_of(ring, rs), m, (buf[bs], obj_one), c)[1]
+            # B: the input part of the kept pullback, and the weight gradients its equations make anyway; what W
+            # reads of B's values (the layers' output cotangents, the activations their weight dots read) goes
+            # into the slot's stash
+            def input_grad(grads):
+                dx, early, stash = split.input_part(params, slot_of(ring, rs), m, (buf[bs], obj_one), c)
+                return add_grads(grads, early), dx, stash
 
-            dx = lax.cond(op == BWD, input_grad, lambda: zeros_x)
+            grads, dx, stash = lax.cond(op == BWD, input_grad, lambda g: (g, zeros_x, zeros(split.stash_shapes)),
+                                        grads)
+            stashes = jax.tree.map(lambda r, a: lax.dynamic_update_index_in_dim(r, jnp.where(op == BWD, a, r[rs]),
+                                                                                rs, 0), stashes, stash)
 
-            def weight_grad(grads):
-                d_params, _ = kept.backward(params, slot_of(ring, rs), m, (buf[bs], obj_one), c)
-                return add_grads(grads, d_params)
+            def weight_grad(grads):   # W: the weight part, from the residuals, the output cotangent and the stash
+                return add_grads(grads, split.weight_part(params, slot_of(ring, rs), m, (buf[bs], obj_one), c,
+                                                          slot_of(stashes, rs)))
 
             grads = lax.cond(op == WGT, weight_grad, lambda g: g, grads)
             out = jnp.where(op == FWD, y, dx)
             to_right = lax.ppermute(out, AXIS, [(j, j + 1) for j in range(S - 1)])   # d's output at d + 1
             to_left = lax.ppermute(out, AXIS, [(j, j - 1) for j in range(1, S)])     # ... and at d - 1
-            return ((to_right, to_left, out), buf, ring, grads, (sums, report)), None
+            return ((to_right, to_left, out), buf, (ring, stashes), grads, (sums, report)), None
 
         carry = ((zeros_x, zeros_x, zeros_x), buf0, ring0, grads0, (zero_aux, report0))
         (_, _, _, (g_local, g_shared), sums), _ = lax.scan(tick, carry, jnp.arange(table.ticks))
@@ -147,3 +161,17 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
     g_chunks, g_shared, (sums, report) = fn(chunks, shared, micro)
     return (sums, layer_order(report)), (unchunked(g_chunks, spec), g_shared)
 
+
+
+def _split_backward(kept: KeptVJP, params: Any, ct: Any, chunk: jax.Array) -> SplitBackward:
+    """``kept``'s backward split into B and W (:class:`~jaxtron.parallel.backward_split.SplitBackward`), with the
+    chunk index an argument (``KeptVJP.split`` fixes it): ``input_part(params, kept, m, ct, chunk) -> (d_x, early
+    d_params, stash)``, ``weight_part(params, kept, m, ct, chunk, stash) -> d_params``. The chunk is not the micro
+    batch's: what depends on the weights it picks alone, W computes again rather than keeping it."""
+    def backward(params, residuals, m, ct, chunk):
+        d_params, d_x = kept.backward(params, residuals, m, ct, chunk)
+        return d_x, d_params
+
+    residuals = tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
+    return SplitBackward(backward, (params, residuals, jnp.zeros((), jnp.int32), ct, chunk),
+                         (False, True, True, True, False))

@@ -384,10 +384,7 @@ def closed_form_step_s(cfg: Config, layout: Layout, gpu: GpuSpec, num_gpus: int,
     remat=full already recomputes it)."""
     compute = compute_seconds(cfg, layout, gpu, hardware_flops_per_device(cfg, layout, moe_gemm), moe_gemm)
     if layout.stages > 1:
-        # zbv's W runs the chunk's input-cotangent chain again (jaxtron/parallel/zero_bubble_v.py): about one more
-        # forward's worth of matmuls per micro batch, as a recomputed forward
-        again = (cfg.parallel.pipeline_recompute and cfg.model.remat != "full") or \
-            cfg.parallel.pipeline_schedule == "zbv"
+        again = cfg.parallel.pipeline_recompute and cfg.model.remat != "full"
         compute *= (4.0 / 3.0 if again else 1.0) / (1.0 - layout.bubble)
     return (compute + hbm_bytes(cfg, layout, moe_gemm) / (gpu.hbm_gbps * 1e9)
             + closed_form_comm_s(cfg, layout, gpu, num_gpus, moe_gemm))
