@@ -32,7 +32,7 @@ from jaxtron.parallel.pipeline_layout import (AXIS, PipelineSpec, chunked, in_st
                                               nbytes, replicated, side_zeros, stage_shard_map, stage_specs,
                                               tree_index, unchunked)
 from jaxtron.parallel.residuals import KeptVJP
-from jaxtron.parallel.zero_bubble_v_table import BWD, FWD, LEFT, RIGHT, SELF, WGT, zbv_arrays, zbv_table
+from jaxtron.parallel.zero_bubble_v_table import BWD, FWD, IDLE, LEFT, RIGHT, SELF, WGT, zbv_arrays, zbv_table
 
 
 def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
@@ -100,51 +100,53 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
                 buf = put(buf, at["recv"][t, s, src], x)
             op, c, m = at["op"][t, s], at["chunk"][t, s], jnp.maximum(at["micro"][t, s], 0)
             rs, bs = jnp.maximum(at["res_slot"][t, s], 0), jnp.maximum(at["buf_slot"][t, s], 0)
-            x_in = buf[bs]
+            x_in, dy_in = buf[bs], (buf[bs], obj_one)
+            no_rep = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), report)
+            no_res, no_stash = tuple(zeros(kept.kept_shapes)), zeros(split.stash_shapes)
 
-            def forward():
+            # One op per device and tick, one switch: (grads, sums) -> (grads, sums, output, F's residuals, report,
+            # B's stash, the loss's cotangent); a device runs one branch, the others' outputs are zeros.
+            def idle(grads, sums):
+                return grads, sums, zeros_x, no_res, no_rep, no_stash, zeros_x
+
+            def forward(grads, sums):
                 (y, _), rep, res = kept.forward(params, x_in, m, c)
-                return y, rep, res
+                return grads, sums, y, res, rep, no_stash, zeros_x
 
-            def skip_forward():
-                return zeros_x, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), report), \
-                    tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
-
-            y, rep, res = lax.cond(op == FWD, forward, skip_forward)
-            # the report of the chunk's layers, in layer order: device d's chunk 1 is the V's chunk 2S - 1 - d
-            report = jax.tree.map(lambda r, a: r.at[jnp.where(c == 0, s, 2 * S - 1 - s)].add(a), report, rep)
-            ring = tuple(lax.dynamic_update_index_in_dim(r, jnp.where(op == FWD, a, r[rs]), rs, 0)
-                         for r, a in zip(ring, res))
-
-            def head(grads, sums):
+            def forward_and_loss(grads, sums):
                 """Device 0's chunk 1 ends in the loss: its cotangent, and the head's own gradient."""
+                grads, sums, y, res, rep, _, _ = forward(grads, sums)
                 mb = tree_index(micro, m)
                 loss, pull, aux = jax.vjp(lambda sh, y: post(sh, y, mb), shared, y, has_aux=True)
                 d_shared, dy = pull(jnp.ones((), loss.dtype))
                 grads = add_grads(grads, (jax.tree.map(jnp.zeros_like, local), d_shared))
-                return grads, jax.tree.map(jnp.add, sums, aux), dy
+                return grads, jax.tree.map(jnp.add, sums, aux), y, res, rep, no_stash, dy
 
-            grads, sums, dy = lax.cond(at["head_slot"][t, s] >= 0, head, lambda g, a: (g, a, zeros_x), grads, sums)
-            buf = put(buf, at["head_slot"][t, s], dy)
+            def input_grad(grads, sums):
+                """B: the input part of the kept pullback, and the weight gradients its equations make anyway;
+                what W reads of B's values (the layers' output cotangents, the activations their weight dots
+                read) goes into the slot's stash."""
+                dx, early, stash = split.input_part(params, slot_of(ring, rs), m, dy_in, c)
+                return add_grads(grads, early), sums, dx, no_res, no_rep, stash, zeros_x
 
-            # B: the input part of the kept pullback, and the weight gradients its equations make anyway; what W
-            # reads of B's values (the layers' output cotangents, the activations their weight dots read) goes
-            # into the slot's stash
-            def input_grad(grads):
-                dx, early, stash = split.input_part(params, slot_of(ring, rs), m, (buf[bs], obj_one), c)
-                return add_grads(grads, early), dx, stash
+            def weight_grad(grads, sums):
+                """W: the weight part, from the residuals, the output cotangent and the stash."""
+                d_params = split.weight_part(params, slot_of(ring, rs), m, dy_in, c, slot_of(stashes, rs))
+                return add_grads(grads, d_params), sums, zeros_x, no_res, no_rep, no_stash, zeros_x
 
-            grads, dx, stash = lax.cond(op == BWD, input_grad, lambda g: (g, zeros_x, zeros(split.stash_shapes)),
-                                        grads)
-            stashes = jax.tree.map(lambda r, a: lax.dynamic_update_index_in_dim(r, jnp.where(op == BWD, a, r[rs]),
-                                                                                rs, 0), stashes, stash)
+            head = at["head_slot"][t, s]
+            branches = {IDLE: idle, FWD: forward, BWD: input_grad, WGT: weight_grad}
+            branches = [branches[k] for k in sorted(branches)] + [forward_and_loss]
+            branch = jnp.where((op == FWD) & (head >= 0), len(branches) - 1, op)
+            grads, sums, out, res, rep, stash, dy = lax.switch(branch, branches, grads, sums)
+            # the report of the chunk's layers, in layer order: device d's chunk 1 is the V's chunk 2S - 1 - d
+            report = jax.tree.map(lambda r, a: r.at[jnp.where(c == 0, s, 2 * S - 1 - s)].add(a), report, rep)
+            def keep(kind):   # the op's new value into its slot, where the op is of that kind
+                return lambda r, a: lax.dynamic_update_index_in_dim(r, jnp.where(op == kind, a, r[rs]), rs, 0)
 
-            def weight_grad(grads):   # W: the weight part, from the residuals, the output cotangent and the stash
-                return add_grads(grads, split.weight_part(params, slot_of(ring, rs), m, (buf[bs], obj_one), c,
-                                                          slot_of(stashes, rs)))
-
-            grads = lax.cond(op == WGT, weight_grad, lambda g: g, grads)
-            out = jnp.where(op == FWD, y, dx)
+            ring = tuple(map(keep(FWD), ring, res))
+            stashes = jax.tree.map(keep(BWD), stashes, stash)
+            buf = put(buf, head, dy)
             to_right = lax.ppermute(out, AXIS, [(j, j + 1) for j in range(S - 1)])   # d's output at d + 1
             to_left = lax.ppermute(out, AXIS, [(j, j - 1) for j in range(1, S)])     # ... and at d - 1
             return ((to_right, to_left, out), buf, (ring, stashes), grads, (sums, report)), None
@@ -160,7 +162,6 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
                          (stage_specs(chunks), replicated(shared), P()))
     g_chunks, g_shared, (sums, report) = fn(chunks, shared, micro)
     return (sums, layer_order(report)), (unchunked(g_chunks, spec), g_shared)
-
 
 
 def _split_backward(kept: KeptVJP, params: Any, ct: Any, chunk: jax.Array) -> SplitBackward:
