@@ -60,8 +60,8 @@ def test_b_then_w_equals_the_pullback_and_w_runs_only_the_weight_gradient_matmul
 
     def in_two(params, x, m, ct):
         _, _, kept = kept_vjp.forward(params, x, m)
-        d_x, early, stash = split.input_part(params, kept, m, ct)
-        late = split.weight_part(params, kept, m, ct, stash)
+        d_x, early, stash = split.input_part(params, kept, m, ct, ())
+        late = split.weight_part(params, kept, m, ct, (), stash)
         return jax.tree.map(jnp.add, early, late), d_x
 
     want, got = jax.jit(whole)(params, x, m, ct), jax.jit(in_two)(params, x, m, ct)
@@ -73,12 +73,12 @@ def test_b_then_w_equals_the_pullback_and_w_runs_only_the_weight_gradient_matmul
     kept = tuple(jnp.zeros(s.shape, s.dtype) for s in kept_vjp.kept_shapes)
     stash = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), split.stash_shapes)
     # W: per layer the up, down and mix weight gradients, and the head's: 3 dots in the loop body + 1
-    w_jaxpr = jax.make_jaxpr(lambda: split.weight_part(params, kept, m, ct, stash))()
+    w_jaxpr = jax.make_jaxpr(lambda: split.weight_part(params, kept, m, ct, (), stash))()
     assert _dots(w_jaxpr) == 4, w_jaxpr
     # B: the head's and per layer up's, down's and mix's input gradients (remat: and the up projection again,
     # the one forward dot whose output the backward reads); the forward traced for the weight-only residuals
     # is dead code B does not run
-    b_jaxpr = jax.make_jaxpr(lambda: split.input_part(params, kept, m, ct)[0])()
+    b_jaxpr = jax.make_jaxpr(lambda: split.input_part(params, kept, m, ct, ())[0])()
     assert _dots(b_jaxpr) == (5 if remat else 4), b_jaxpr
     # the whole pullback, for comparison: every dot of both
     assert _dots(jax.make_jaxpr(lambda: kept_vjp.backward(params, kept, m, ct))()) > _dots(b_jaxpr)

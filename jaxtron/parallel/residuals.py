@@ -119,18 +119,20 @@ class KeptVJP:
 
     def split(self, params, m, select=()) -> SplitBackward:
         """:meth:`backward` split into B and W (:mod:`jaxtron.parallel.backward_split`), for the zero-bubble
-        schedules: ``input_part(params, kept, m, ct) -> (d_x, early d_params, stash)`` and
-        ``weight_part(params, kept, m, ct, stash) -> d_params``."""
+        schedules: ``input_part(params, kept, m, ct, select) -> (d_x, early d_params, stash)`` and
+        ``weight_part(params, kept, m, ct, select, stash) -> d_params`` (``params``, ``m``, ``select``: examples
+        of their shapes). ``select`` is not the micro batch's: what depends on the weights it picks alone, W
+        makes again rather than taking it from the stash."""
         kept = tuple(jnp.zeros(s.shape, s.dtype) for s in self.kept_shapes)
         out = jax.eval_shape(lambda: self.fn(params, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                                                   self.x_shape), m, select)[0])
         ct = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
 
-        def backward(params, kept, m, ct):
+        def backward(params, kept, m, ct, select):
             d_params, d_x = self.backward(params, kept, m, ct, select)
             return d_x, d_params
 
-        return SplitBackward(backward, (params, kept, m, ct), (False, True, True, True))
+        return SplitBackward(backward, (params, kept, m, ct, select), (False, True, True, True, False))
 
     def kept_bytes(self) -> int:
         """Bytes of one micro batch's kept residuals (per device of this shard_map body)."""

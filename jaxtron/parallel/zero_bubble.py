@@ -190,7 +190,7 @@ def zb_h1_tick(c: TickContext):
         def backward(grads, sums):
             mb = tree_index(c.micro, mb_i)
             dy, d_post, aux = c.output_cotangent(is_last, y, mb, bwd_in)
-            dx, early, stash = split.input_part(params, slot_of(ring, mb_i), mb_i, (dy, obj_one))
+            dx, early, stash = split.input_part(params, slot_of(ring, mb_i), mb_i, (dy, obj_one), ())
             grads = c.add_grads(grads, jax.tree.map(jnp.add, early, (no_local, d_post)))
             return grads, jax.tree.map(jnp.add, sums, aux), dx, dy, stash
 
@@ -211,7 +211,7 @@ def zb_h1_tick(c: TickContext):
             mw = jnp.maximum(m_w, 0)
 
             def weights(grads, mw=mw):
-                d_params = split.weight_part(params, slot_of(ring, mw), mw, (dys[mw % R], obj_one),
+                d_params = split.weight_part(params, slot_of(ring, mw), mw, (dys[mw % R], obj_one), (),
                                              slot_of(stashes, mw))
                 return c.add_grads(grads, d_params)
 

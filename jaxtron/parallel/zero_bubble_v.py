@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxtron.parallel.backward_split import SplitBackward
 from jaxtron.parallel.pipeline_layout import (AXIS, PipelineSpec, chunked, in_stage_rules, layer_order, log_memory,
                                               nbytes, replicated, side_zeros, stage_shard_map, stage_specs,
                                               tree_index, unchunked)
@@ -70,7 +69,7 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
         zero_i = jnp.zeros((), jnp.int32)
         kept = KeptVJP(f, params, zeros_x, zero_i, zero_i)
         obj_one = jnp.ones((), jax.eval_shape(f, params, zeros_x, 0, 0)[0][1].dtype)
-        split = _split_backward(kept, params, (zeros_x, obj_one), zero_i)
+        split = kept.split(params, zero_i, zero_i)
         log_memory(spec, arrays.res_slots, kept.kept_bytes() + nbytes(split.stash_shapes),
                    f"the VJP residuals and what W reads from B (and {arrays.buf_slots} buffers of inputs and "
                    f"cotangents, {arrays.buf_slots * nbytes(zeros_x) / 2 ** 20:.2f} MiB)",
@@ -162,17 +161,3 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
                          (stage_specs(chunks), replicated(shared), P()))
     g_chunks, g_shared, (sums, report) = fn(chunks, shared, micro)
     return (sums, layer_order(report)), (unchunked(g_chunks, spec), g_shared)
-
-
-def _split_backward(kept: KeptVJP, params: Any, ct: Any, chunk: jax.Array) -> SplitBackward:
-    """``kept``'s backward split into B and W (:class:`~jaxtron.parallel.backward_split.SplitBackward`), with the
-    chunk index an argument (``KeptVJP.split`` fixes it): ``input_part(params, kept, m, ct, chunk) -> (d_x, early
-    d_params, stash)``, ``weight_part(params, kept, m, ct, chunk, stash) -> d_params``. The chunk is not the micro
-    batch's: what depends on the weights it picks alone, W computes again rather than keeping it."""
-    def backward(params, residuals, m, ct, chunk):
-        d_params, d_x = kept.backward(params, residuals, m, ct, chunk)
-        return d_x, d_params
-
-    residuals = tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
-    return SplitBackward(backward, (params, residuals, jnp.zeros((), jnp.int32), ct, chunk),
-                         (False, True, True, True, False))
