@@ -77,9 +77,12 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
         def zeros(shapes, lead=()):
             return jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shapes)
 
-        # a (chunk, micro batch)'s residuals from its F, and what its W reads from its B (the stash), in one slot
-        ring0 = (tuple(zeros(kept.kept_shapes, (arrays.res_slots,))), zeros(split.stash_shapes, (arrays.res_slots,)))
-        buf0 = jnp.zeros((arrays.buf_slots,) + zeros_x.shape, zeros_x.dtype)
+        # a (chunk, micro batch)'s residuals from its F, and what its W reads from its B (the stash), in one slot;
+        # one more slot in each ring and buffer takes the writes of the ticks that keep nothing there, so that
+        # a write never has to read the slot back to leave it unchanged
+        scratch_res, scratch_buf = arrays.res_slots, arrays.buf_slots
+        ring0 = (tuple(zeros(kept.kept_shapes, (scratch_res + 1,))), zeros(split.stash_shapes, (scratch_res + 1,)))
+        buf0 = jnp.zeros((scratch_buf + 1,) + zeros_x.shape, zeros_x.dtype)
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
 
         def add_grads(grads, d):
@@ -89,9 +92,8 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
             return jax.tree.map(lambda r: lax.dynamic_index_in_dim(r, i, 0, keepdims=False), ring)
 
         def put(buf, i, x):
-            """``buf[i] = x`` where i >= 0 (a dropped buffer writes nothing)."""
-            j = jnp.maximum(i, 0)
-            return lax.dynamic_update_index_in_dim(buf, jnp.where(i >= 0, x, buf[j]), j, 0)
+            """``buf[i] = x`` where i >= 0 (a dropped buffer goes to the scratch slot)."""
+            return lax.dynamic_update_index_in_dim(buf, x, jnp.where(i >= 0, i, scratch_buf), 0)
 
         def tick(carry, t):
             (from_left, from_right, own), buf, (ring, stashes), grads, (sums, report) = carry
@@ -140,8 +142,8 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
             grads, sums, out, res, rep, stash, dy = lax.switch(branch, branches, grads, sums)
             # the report of the chunk's layers, in layer order: device d's chunk 1 is the V's chunk 2S - 1 - d
             report = jax.tree.map(lambda r, a: r.at[jnp.where(c == 0, s, 2 * S - 1 - s)].add(a), report, rep)
-            def keep(kind):   # the op's new value into its slot, where the op is of that kind
-                return lambda r, a: lax.dynamic_update_index_in_dim(r, jnp.where(op == kind, a, r[rs]), rs, 0)
+            def keep(kind):   # the op's new value into its slot where the op is of that kind, else to scratch
+                return lambda r, a: lax.dynamic_update_index_in_dim(r, a, jnp.where(op == kind, rs, scratch_res), 0)
 
             ring = tuple(map(keep(FWD), ring, res))
             stashes = jax.tree.map(keep(BWD), stashes, stash)
