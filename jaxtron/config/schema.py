@@ -48,8 +48,8 @@ class ParallelConfig:
                                         "(fill-drain, gradients through the loop), 'circular' (interleaved "
                                         "virtual stages, see virtual_stages), 'zb_h1' (1f1b with each "
                                         "backward split into the input gradient and a deferred weight "
-                                        "gradient that fills the bubble: (S-1)/(3M+S-1); its weight step "
-                                        "repeats the input-gradient chain today, docs/parallelism.md) or "
+                                        "gradient that fills the bubble: (S-1)/(3M+S-1); the weight step "
+                                        "keeps B's per-layer cotangents until it runs, docs/parallelism.md) or "
                                         "'zbv' (ZB-V: two layer chunks per device in a V, the weight "
                                         "gradients deferred into the bubble, at most 2S chunk residuals "
                                         "held; needs num_layers divisible by 2 x stage).")
