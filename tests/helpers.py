@@ -157,15 +157,24 @@ def _record(cfg, devices, steps: int, batch_seed: int, documents: int, metrics: 
     import jax
     import numpy as np
 
+    from jaxtron.train.step import make_train_step
     from jaxtron.train.trainer import Trainer, put_batch
 
     trainer = Trainer(cfg, devices)
     batch = put_batch(synthetic_batch(cfg, batch_seed, documents), trainer.batch_sharding)
-    grads, m = trainer.gradients(batch)
-    record = {"grads": jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
-              "grad_norm0": float(m["grad_norm"]), "losses": [], "grad_norms": [], "moe": []}
-    for _ in range(steps):
+    record = {"losses": [], "grad_norms": [], "moe": []}
+    if steps:  # the first step's own gradient: one compiled program for the gradient and the training
+        p = trainer.program
+        trainer.train_step = make_train_step(cfg, p.spec, p.tx, p.schedule, p.layout, return_grads=True)
+    else:
+        grads, m = trainer.gradients(batch)
+        record.update(grads=jax.tree.map(lambda g: np.asarray(g, np.float64), grads), grad_norm0=float(m["grad_norm"]))
+    for i in range(steps):
         m = trainer.step(batch)
+        grads = m.pop("grads")
+        if i == 0:
+            record.update(grads=jax.tree.map(lambda g: np.asarray(g, np.float64), grads),
+                          grad_norm0=float(m["grad_norm"]))
         record["losses"].append(float(m["loss"]))
         record["grad_norms"].append(float(m["grad_norm"]))
         if metrics:

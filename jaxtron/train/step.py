@@ -254,9 +254,12 @@ def make_loss_and_grads(cfg: Config, spec: ModelSpec, layout: Layout,
 
 
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation, schedule: Callable,
-                    layout: Layout, loss_fn: Optional[Callable] = None):
+                    layout: Layout, loss_fn: Optional[Callable] = None, return_grads: bool = False):
     """The jitted train step. ``loss_fn(model, batch) -> (loss_sum, aux)`` replaces the built-in cross entropy
-    (plus ``optim.z_loss``); see :class:`jaxtron.train.trainer.Trainer` for the contract."""
+    (plus ``optim.z_loss``); see :class:`jaxtron.train.trainer.Trainer` for the contract. ``return_grads``:
+    the metrics also hold ``grads``, the gradient per loss token the optimizer was handed (before clipping), so
+    that a check of a layout's gradients and of its training compiles one program, not this and
+    :func:`make_gradients`."""
     loss_and_grads = make_loss_and_grads(cfg, spec, layout, loss_fn)
 
     def step(state, batch):
@@ -287,7 +290,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             new_params = jax.tree.map(keep, spec.histories.roll(new_params, params, raw), params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
             metrics = {"loss": ce / n, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": n,
-                       "skipped": jnp.logical_not(ok), **aux}
+                       "skipped": jnp.logical_not(ok), **aux, **({"grads": grads} if return_grads else {})}
             return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, batch_sharding(layout)),
