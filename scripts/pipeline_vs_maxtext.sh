@@ -10,7 +10,8 @@
 # Both figures are medians of per-step times: MaxText's from the seconds it logs for steps 10 to 39, jaxtron's
 # from scripts/bench_train.py --sync-each-step (30 timed steps after 3 warmup). jaxtron runs from this checkout
 # under $PYTHON (default: python); PYTHON=$MAXTEXT_PYTHON runs it on MaxText's JAX, so both use the same XLA.
-# Without MAXTEXT_PYTHON only jaxtron runs. SCHEDULES picks a subset (default: "gpipe circular 1f1b").
+# Without MAXTEXT_PYTHON only jaxtron runs. SCHEDULES picks a subset (default: "gpipe circular 1f1b"; also
+# zb_h1 and zbv, which MaxText does not have).
 set -euo pipefail
 ROUNDS=${1:-3}
 shift || true
@@ -62,6 +63,12 @@ for r in $(seq "$ROUNDS"); do
   fi
   if has 1f1b; then
     echo "  jaxtron  1f1b      $(jaxtron parallel.pipeline_schedule=1f1b "$@")"
+  fi
+  if has zb_h1; then
+    echo "  jaxtron  zb_h1     $(jaxtron parallel.pipeline_schedule=zb_h1 "$@")"
+  fi
+  if has zbv; then
+    echo "  jaxtron  zbv       $(jaxtron parallel.pipeline_schedule=zbv "$@")"
   fi
 done
 rm -rf "$OUT"
