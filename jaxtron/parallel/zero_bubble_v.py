@@ -34,6 +34,21 @@ from jaxtron.parallel.residuals import KeptVJP
 from jaxtron.parallel.zero_bubble_v_table import BWD, FWD, IDLE, LEFT, RIGHT, SELF, WGT, zbv_arrays, zbv_table
 
 
+def zeros(shapes: Any, lead: tuple = ()) -> Any:
+    """Zeros of each ``jax.ShapeDtypeStruct`` in ``shapes``, with leading dimensions ``lead`` (a ring's slots)."""
+    return jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shapes)
+
+
+def slot_of(ring: Any, i) -> Any:
+    """Slot ``i`` of every array of a ring."""
+    return jax.tree.map(lambda r: lax.dynamic_index_in_dim(r, i, 0, keepdims=False), ring)
+
+
+def put(buf: jax.Array, i, x: jax.Array, scratch: int) -> jax.Array:
+    """``buf[i] = x`` where i >= 0; a dropped value goes to the scratch slot, so the write never reads back."""
+    return lax.dynamic_update_index_in_dim(buf, x, jnp.where(i >= 0, i, scratch), 0)
+
+
 def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: Callable, post: Callable,
                    stacked: Any, stacked_specs: Any, shared: Any, micro: dict, accumulate: Callable):
     """:func:`jaxtron.parallel.pipeline.value_and_grad` under zbv (``stacked`` and ``shared`` already cast, as
@@ -74,9 +89,6 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
                    f"the VJP residuals and what W reads from B (and {arrays.buf_slots} buffers of inputs and "
                    f"cotangents, {arrays.buf_slots * nbytes(zeros_x) / 2 ** 20:.2f} MiB)",
                    "(chunk, micro batch) pairs (a chunk: half a stage's layers)")
-        def zeros(shapes, lead=()):
-            return jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shapes)
-
         # a (chunk, micro batch)'s residuals from its F, and what its W reads from its B (the stash), in one slot;
         # one more slot in each ring and buffer takes the writes of the ticks that keep nothing there, so that
         # a write never has to read the slot back to leave it unchanged
@@ -88,17 +100,10 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
         def add_grads(grads, d):
             return accumulate(grads, jax.tree.map(lambda g, x: x.astype(g.dtype), grads, d))
 
-        def slot_of(ring, i):
-            return jax.tree.map(lambda r: lax.dynamic_index_in_dim(r, i, 0, keepdims=False), ring)
-
-        def put(buf, i, x):
-            """``buf[i] = x`` where i >= 0 (a dropped buffer goes to the scratch slot)."""
-            return lax.dynamic_update_index_in_dim(buf, x, jnp.where(i >= 0, i, scratch_buf), 0)
-
         def tick(carry, t):
             (from_left, from_right, own), buf, (ring, stashes), grads, (sums, report) = carry
             for src, x in ((LEFT, from_left), (RIGHT, from_right), (SELF, own)):
-                buf = put(buf, at["recv"][t, s, src], x)
+                buf = put(buf, at["recv"][t, s, src], x, scratch_buf)
             op, c, m = at["op"][t, s], at["chunk"][t, s], jnp.maximum(at["micro"][t, s], 0)
             rs, bs = jnp.maximum(at["res_slot"][t, s], 0), jnp.maximum(at["buf_slot"][t, s], 0)
             x_in, dy_in = buf[bs], (buf[bs], obj_one)
@@ -147,7 +152,7 @@ def value_and_grad(spec: PipelineSpec, mesh: Mesh, rules, pre: Callable, stage: 
 
             ring = tuple(map(keep(FWD), ring, res))
             stashes = jax.tree.map(keep(BWD), stashes, stash)
-            buf = put(buf, head, dy)
+            buf = put(buf, head, dy, scratch_buf)
             to_right = lax.ppermute(out, AXIS, [(j, j + 1) for j in range(S - 1)])   # d's output at d + 1
             to_left = lax.ppermute(out, AXIS, [(j, j - 1) for j in range(1, S)])     # ... and at d - 1
             return ((to_right, to_left, out), buf, (ring, stashes), grads, (sums, report)), None
