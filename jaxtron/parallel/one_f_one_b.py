@@ -137,7 +137,7 @@ def _kept_tick(c: TickContext):
     log_memory(c.spec, R, kept.kept_bytes(), "the stage's VJP residuals")
     ring0 = tuple(jnp.zeros((R,) + a.shape, a.dtype) for a in kept.kept_shapes)
 
-    def tick(carry, t, has_f, has_b):
+    def tick(carry, t):
         fwd_in, bwd_in, ring, grads, (sums, report) = carry
         m_f = t - c.s
         valid_f = (m_f >= 0) & (m_f < M)
@@ -151,19 +151,13 @@ def _kept_tick(c: TickContext):
             return c.zeros_x, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), report), \
                 tuple(jnp.zeros(a.shape, a.dtype) for a in kept.kept_shapes)
 
-        y = c.zeros_x
-        if has_f:
-            y, rep, res = lax.cond(valid_f, forward, skip_forward)
-            report = jax.tree.map(lambda r, a: r.at[c.s].add(a), report, rep)
-            # Slot m_f mod R, m_f unclipped: outside [0, M) it holds no live micro batch (before this stage's
-            # first forward, or after micro batch m_f - R, whose backward ran 2S - 2 - 2s < R ticks after its
-            # forward), so the zeros a skipped tick writes there are harmless and no select over the slot is
-            # needed.
-            slot_f = jnp.mod(m_f, R)
-            ring = tuple(lax.dynamic_update_index_in_dim(r, a, slot_f, 0) for r, a in zip(ring, res))
-        if not has_b:
-            fwd_next, bwd_next = c.send(y, c.zeros_x)
-            return (fwd_next, bwd_next, ring, grads, (sums, report)), None
+        y, rep, res = lax.cond(valid_f, forward, skip_forward)
+        report = jax.tree.map(lambda r, a: r.at[c.s].add(a), report, rep)
+        # Slot m_f mod R, m_f unclipped: outside [0, M) it holds no live micro batch (before this stage's first
+        # forward, or after micro batch m_f - R, whose backward ran 2S - 2 - 2s < R ticks after its forward), so
+        # the zeros a skipped tick writes there are harmless and no select over the slot is needed.
+        slot_f = jnp.mod(m_f, R)
+        ring = tuple(lax.dynamic_update_index_in_dim(r, a, slot_f, 0) for r, a in zip(ring, res))
 
         m_b = t - (2 * S - 2 - c.s)
         valid_b = (m_b >= 0) & (m_b < M)
@@ -182,27 +176,12 @@ def _kept_tick(c: TickContext):
         fwd_next, bwd_next = c.send(y, dx)
         return (fwd_next, bwd_next, ring, grads, (sums, report)), None
 
-    # One loop, each tick compiling both halves. Phases (tick_phases) would drop the backward from the fill
-    # ticks and the forward from the drain ticks, but every loop after the first then needs its own copy of
-    # what the loops share (XLA copies a while loop's operand that is still live after it): measured by the
-    # planner on Llama-3-70B, tensor 8 x stage 2 x fsdp 4 with the stage's weights gathered once, temp memory
+    # One loop, each tick compiling both halves. Phases (zero_bubble.tick_phases) would drop the backward from
+    # the fill ticks and the forward from the drain ticks, but every loop after the first then needs its own
+    # copy of what the loops share (XLA copies a while loop's operand that is still live after it): measured by
+    # the planner on Llama-3-70B, tensor 8 x stage 2 x fsdp 4 with the stage's weights gathered once, temp memory
     # +8.5 GB and collectives overlapped 4.6 -> 0.6 s, 732 -> 634 tokens/s/GPU (tensor 8 x stage 8: 711 -> 737).
-    return (lambda carry, t: tick(carry, t, True, True)), ring0
-
-
-def tick_phases(kinds: list, tick: Callable) -> tuple:
-    """The ticks as consecutive loops of ticks alike: ``kinds[t]`` is a tuple of static facts of tick t (whether
-    any stage runs a forward in it, a backward, how many W's; ``tick(carry, t, *kinds[t])`` leaves out what
-    its tick never runs). The fill ticks then compile no backward and the drain ticks no forward: a conditional
-    never taken still costs its code, and the planner counts its slowest branch (an SPMD program's branches are
-    what different devices run). The price: each loop after the first holds its own copy of the operands the
-    loops share (see :func:`_kept_tick`, which therefore keeps one loop)."""
-    out, start = [], 0
-    for t in range(1, len(kinds) + 1):
-        if t == len(kinds) or kinds[t] != kinds[start]:
-            out.append((start, t, lambda carry, t, k=tuple(kinds[start]): tick(carry, t, *k)))
-            start = t
-    return tuple(out)
+    return tick, ring0
 
 
 def _recomputing_tick(c: TickContext):

@@ -27,13 +27,14 @@ if a W is left over). The price is memory: a stage holds a micro batch's residua
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxtron.parallel.one_f_one_b import TickContext, tick_phases
+from jaxtron.parallel.one_f_one_b import TickContext
 from jaxtron.parallel.pipeline_layout import log_memory, nbytes, tree_index
 from jaxtron.parallel.residuals import KeptVJP
 
@@ -130,7 +131,7 @@ def zb_h1_tick(c: TickContext):
     (keeping the stage's VJP residuals), B the input part of the stage's pullback (``KeptVJP.split``), keeping
     the output cotangent and B's stash in slots beside the residuals, and the table's W's: the weight part, from
     a micro batch's residuals, output cotangent and stash. The ticks run as phases by how many W's they hold
-    (:func:`phases`)."""
+    (:func:`tick_phases`)."""
     S = c.spec.stages
     f_np, b_np, w_np, R = tick_arrays(zb_h1_table(S, c.spec.micro_batches))
     f_at, b_at, w_at = jnp.asarray(f_np), jnp.asarray(b_np), jnp.asarray(w_np)
@@ -222,3 +223,18 @@ def zb_h1_tick(c: TickContext):
     kinds = [(bool((f_np[t] >= 0).any()), bool((b_np[t] >= 0).any()), int((w_np[t] >= 0).sum(axis=1).max()))
              for t in range(len(f_np))]
     return tick_phases(kinds, tick), ring0
+
+
+def tick_phases(kinds: list, tick: Callable) -> tuple:
+    """The ticks as consecutive loops of ticks alike: ``kinds[t]`` is a tuple of static facts of tick t (whether
+    any stage runs a forward in it, a backward, how many W's; ``tick(carry, t, *kinds[t])`` leaves out what
+    its tick never runs). The fill ticks then compile no backward and the drain ticks no forward: a conditional
+    never taken still costs its code, and the planner counts its slowest branch (an SPMD program's branches are
+    what different devices run). The price: each loop after the first holds its own copy of the operands the
+    loops share (1f1b therefore keeps one loop: :func:`jaxtron.parallel.one_f_one_b.value_and_grad`)."""
+    out, start = [], 0
+    for t in range(1, len(kinds) + 1):
+        if t == len(kinds) or kinds[t] != kinds[start]:
+            out.append((start, t, lambda carry, t, k=tuple(kinds[start]): tick(carry, t, *k)))
+            start = t
+    return tuple(out)
