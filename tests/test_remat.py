@@ -87,3 +87,20 @@ def test_named_policies_do_not_change_the_gradients(reference, policy):
     for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(got)):
         err = np.linalg.norm(a - e) / np.linalg.norm(e)
         assert err <= 1e-6, f"{jax.tree_util.keystr(path)}: relative gradient difference {err:.1e}"
+
+
+def test_save_dots_attention_keeps_what_the_flash_kernels_backward_reads():
+    """A flash kernel's forward is a custom call, not a dot: under save_dots the backward runs it again, for its
+    softmax statistics. save_dots_attention keeps what the kernel's backward reads (q after RoPE, k, v, the
+    output, the log-sum-exp [layers, batch, heads, seq]) and the attention context that wo's weight gradient
+    reads; the gradients are the kernel's own, bit for bit. (That the compiled step then calls the forward
+    kernel once: tests/test_plan_steptime.py, on XLA:GPU.)"""
+    flash = ("model.attention_impl=pallas", "model.hidden_size=128")  # head_dim 16 for the kernel
+    extra = _scan_outputs(_residuals("save_dots_attention", *flash))
+    for shape in _scan_outputs(_residuals("save_dots", *flash)):
+        extra.remove(shape)
+    q, kv, lse = "f32[2,8,16,8,16]", "f32[2,8,16,4,16]", "f32[2,8,8,16]"
+    assert extra == sorted([q, q, q, kv, kv, lse])  # q, the output and the context; k, v; the lse
+    dots, kept = (_gradients(policy, *flash) for policy in ("save_dots", "save_dots_attention"))
+    for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(dots), jax.tree.leaves(kept)):
+        np.testing.assert_array_equal(a, e, err_msg=jax.tree_util.keystr(path))

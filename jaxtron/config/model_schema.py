@@ -179,8 +179,9 @@ class ModelConfig:
     fp8_amax_history: int = _f(16, "model.fp8=delayed: steps of amax history per tensor (Transformer Engine's "
                                    "amax_history_len).")
     fp8_margin: int = _f(0, "model.fp8=delayed: scales are amax * 2^margin / format max (headroom for growth).")
-    remat: str = _f("none", "Activation recomputation per block: 'none', 'full', 'save_dots' (selective), or a "
-                            "named policy saving (save_*) or offloading to host (offload_*) chosen activations: "
+    remat: str = _f("none", "Activation recomputation per block: 'none', 'full', 'save_dots' (selective), "
+                            "'save_dots_attention' (save_dots and the flash kernel's residuals), or a named policy "
+                            "saving (save_*) or offloading to host (offload_*) chosen activations: "
                             "save_qkv_proj, save_attention_out, save_qkv_attention, save_mlp_io, save_named, "
                             "offload_qkv_attention, offload_named (jaxtron/model/remat.py).")
     scan_unroll: int = _f(1, "Decoder blocks per iteration of the layer scan (1: rolled). Unrolling lets XLA fuse "

@@ -19,8 +19,8 @@ FP8_RECIPES = ("none", "current", "delayed", "blockwise")
 FP8_BLOCKWISE_IMPLS = ("auto", "xla", "pallas")
 KERNEL_IMPLS = ("xla", "pallas")
 # jaxtron.model.remat.POLICIES has one policy for each but none (tests/test_remat.py checks they agree)
-REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "save_attention_out", "save_qkv_attention",
-                  "save_mlp_io", "save_named", "offload_qkv_attention", "offload_named")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_attention", "save_qkv_proj", "save_attention_out",
+                  "save_qkv_attention", "save_mlp_io", "save_named", "offload_qkv_attention", "offload_named")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16", "float16")

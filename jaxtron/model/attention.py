@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxtron.model import kernels
 from jaxtron.model.projection import Matmuls
+from jaxtron.model.remat import ATTENTION_KERNEL, tag
 
 
 def xla_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float,
@@ -74,6 +75,27 @@ def mosaic_attention(q, k, v, segment_ids: Optional[jax.Array], scale: float, de
     return pallas_attention(q, k, v, segment_ids, scale, backend="mosaic", fuse_dq=not deterministic)
 
 
+def residuals_named(kernel):
+    """``kernel(q, k, v, segment_ids) -> out`` with the residuals its backward reads tagged
+    :data:`~jaxtron.model.remat.ATTENTION_KERNEL`, so that a remat policy can keep them. A kernel's forward is a
+    custom call (no dot): under ``save_dots`` the backward runs it again, for the softmax statistics the output
+    alone does not give. The residuals are the leaves of ``jax.vjp``'s pullback, whichever kernel it is (cuDNN's
+    from JAX, or ours); the numbers are the kernel's own."""
+    @jax.custom_vjp
+    def run(q, k, v, segment_ids):
+        return kernel(q, k, v, segment_ids)
+
+    def forward(q, k, v, segment_ids):
+        out, pullback = jax.vjp(lambda q, k, v: kernel(q, k, v, segment_ids), q, k, v)
+        return out, tag(pullback, ATTENTION_KERNEL)
+
+    def backward(pullback, ct):
+        return (*pullback(ct), None)
+
+    run.defvjp(forward, backward)
+    return run
+
+
 IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention,
                    "mosaic": mosaic_attention}
 
@@ -88,11 +110,13 @@ def attention(q, k, v, segment_ids=None, *, implementation: str = "xla", scale: 
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if implementation == "mosaic":
-        return mosaic_attention(q, k, v, segment_ids, scale, deterministic=deterministic)
     if deterministic and implementation == "cudnn":
         raise ValueError("model.deterministic_attention: cuDNN's attention backward is not deterministic here; "
                          "use model.attention_impl=pallas or mosaic")
     if implementation == "xla":
         return xla_attention(q, k, v, segment_ids, scale, positions, matmuls=matmuls)
-    return IMPLEMENTATIONS[implementation](q, k, v, segment_ids, scale)
+    if implementation == "mosaic":
+        kernel = lambda q, k, v, seg: mosaic_attention(q, k, v, seg, scale, deterministic=deterministic)  # noqa: E731
+    else:
+        kernel = lambda q, k, v, seg: IMPLEMENTATIONS[implementation](q, k, v, seg, scale)  # noqa: E731
+    return residuals_named(kernel)(q, k, v, segment_ids)

@@ -14,7 +14,11 @@ remat policies read):
 - ``attention_out``: attention's context, before the output projection (``wo``);
 - ``out_proj``: the attention block's output, after ``wo``;
 - ``mlp_in``: the feed-forward block's input (after its norm); ``mlp_out``: its output;
-- ``router``: an MoE layer's routing (logits, probabilities, choices, combine weights).
+- ``router``: an MoE layer's routing (logits, probabilities, choices, combine weights);
+- ``attention_kernel``: what a flash kernel's backward reads (cuDNN's, Pallas', Mosaic's: the operands it
+  saw, its output, the softmax statistics). A kernel's output is no dot, so ``save_dots`` runs the kernel's
+  forward again in the backward (for these, and for ``attention_out``, which ``wo``'s weight gradient reads);
+  ``save_dots_attention`` keeps both and runs each attention forward once.
 
 Every policy computes the same numbers (tests/test_remat.py: per-leaf gradients equal the default's).
 """
@@ -27,6 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 QKV = ("query_proj", "key_proj", "value_proj")
 ATTENTION_OUT, OUT_PROJ = "attention_out", "out_proj"
 MLP_IN, MLP_OUT, ROUTER = "mlp_in", "mlp_out", "router"
+ATTENTION_KERNEL = "attention_kernel"
 NAMED = QKV + (ATTENTION_OUT, OUT_PROJ, MLP_IN, MLP_OUT, ROUTER)
 
 
@@ -62,6 +67,8 @@ def _keeping_fp8_scales(policy):
 POLICIES = {name: _keeping_fp8_scales(policy) for name, policy in {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_dots_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save(ATTENTION_KERNEL, ATTENTION_OUT)),
     "save_qkv_proj": _save(*QKV),
     "save_attention_out": _save(ATTENTION_OUT, OUT_PROJ),
     "save_qkv_attention": _save(*QKV, ATTENTION_OUT),

@@ -116,6 +116,9 @@ def _act_bytes_per_token_layer(m, t: int, sp: bool, remat: str, moe: bool = Fals
         return 2 * (5 * d / dt + tensor_part) + 8 * d / dt + swiglu + ffn
     if remat == "save_dots":
         return 2 * (3 * d / dt + tensor_part) + ffn
+    if remat == "save_dots_attention":
+        # + what the flash kernel's backward reads (q, k, v, the output; the fp32 lse) and the context wo reads
+        return 2 * (3 * d / dt + tensor_part) + ffn + (2 * ((h + 2 * kv) * hd + 2 * h * hd) + 4 * h) / t
     return 2 * d / dt  # full: the layer input only
 
 
