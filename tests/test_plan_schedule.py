@@ -200,3 +200,38 @@ def test_a_loop_whose_trip_count_cannot_be_read_is_listed():
     mod = hlo.parse_module(unreadable)
     assert mod.multipliers()["body"] == 1 and hlo.unknown_trip_counts(mod) == ["w"]
     assert hlo.unknown_trip_counts(hlo.parse_module(PEELED)) == []
+
+
+UPDATED = """HloModule m
+
+%fused (p0: bf16[14336,512], p1: bf16[32,14336,512], p2: s32[]) -> bf16[512,32,14336] {
+  %p1 = bf16[32,14336,512]{1,0,2} parameter(1)
+  %view = bf16[512,32,14336]{2,1,0} bitcast(%p1)
+  %p0 = bf16[14336,512]{0,1} parameter(0)
+  %update = bf16[512,1,14336]{2,1,0} bitcast(%p0)
+  %zero = s32[] constant(0)
+  %p2 = s32[] parameter(2)
+  ROOT %dus = bf16[512,32,14336]{2,1,0} dynamic-update-slice(%view, %update, %zero, %p2, %zero)
+}
+
+ENTRY %main (g: bf16[14336,512], stack: bf16[32,14336,512], i: s32[]) -> bf16[512,32,14336] {
+  %g = bf16[14336,512]{0,1} parameter(0)
+  %stack = bf16[32,14336,512]{1,0,2} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = bf16[512,32,14336]{2,1,0} fusion(%g, %stack, %i), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_a_fusion_that_updates_a_stacked_buffer_through_a_bitcast_moves_the_update():
+    """The layer scan's backward writes one layer's weight gradient into the stacked gradients in place, through
+    a bitcast of the stack (a layout XLA picked): the fusion reads and writes the 14.7 MB update, not the 470 MB
+    stack."""
+    from jaxtron.plan import steptime
+
+    mod = hlo.parse_module(UPDATED)
+    instrs = mod.computations["main"]
+    shapes = {n: s for n, s, _o, _r in instrs}
+    _n, shape, opcode, rest = instrs[-1]
+    update = 14336 * 512 * 2
+    assert steptime._moved_bytes(mod, opcode, rest, shape, shapes) == 2 * update + 4

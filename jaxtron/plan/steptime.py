@@ -103,8 +103,8 @@ def _fusion_reads(body: list, sizes: list[float]) -> list[float]:
 
 def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float:
     """HBM bytes an instruction reads and writes. A dynamic-update-slice writes its update into the buffer in
-    place (the layer scan's stacked residuals): the update's bytes, not the buffer's; a (dynamic-)slice reads
-    only the slice it returns, inside a fusion too."""
+    place (the layer scan's stacked residuals, or its stacked gradients through a bitcast of the buffer): the
+    update's bytes, not the buffer's; a (dynamic-)slice reads only the slice it returns, inside a fusion too."""
     body = _callee(mod, rest) if opcode == "fusion" else []
     sizes = [hlo.shape_bytes(hlo.operand_shape(shapes, o)) for o in hlo.operand_names(rest)]
     if not body:
@@ -119,7 +119,10 @@ def _moved_bytes(mod, opcode: str, rest: str, shape: str, shapes: dict) -> float
         return sum(reads) + hlo.shape_bytes(shape)
     body_shapes = {n: sh for n, sh, _op, _r in body}
     buffer, update = (hlo.operand_names(root_rest) + ["", ""])[:2]
-    param = re.match(r"parameter\((\d+)\)", next((r for n, _sh, op, r in body if n == buffer and op == "parameter"), ""))
+    made_by = {n: (op, r) for n, _sh, op, r in body}
+    while made_by.get(buffer, ("",))[0] == "bitcast":  # a bitcast of the buffer is the same bytes, updated in place
+        buffer = (hlo.operand_names(made_by[buffer][1]) + [""])[0]
+    param = re.match(r"parameter\((\d+)\)", made_by[buffer][1] if made_by.get(buffer, ("",))[0] == "parameter" else "")
     if param and int(param.group(1)) < len(reads):
         reads[int(param.group(1))] = 0.0  # the buffer is written in place, not read
     return sum(reads) + hlo.shape_bytes(hlo.operand_shape(body_shapes, update))
