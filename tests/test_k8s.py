@@ -56,10 +56,18 @@ def test_manifest_is_a_jobset_with_the_supervisor_inside():
     (["--nodes", "0", "--image", "i", "--checkpoint-volume", "c"], "--nodes must be >= 1"),
     (["--nodes", "2", "--image", "i", "--checkpoint-volume", "c", "--", "train.output_dir=x"], "train.output_dir"),
 ])
-def test_manifest_errors_are_one_line(args, message):
-    proc = _generate(*args)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: launch k8s: ") and message in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_manifest_errors_are_one_line(args, message, capsys):
+    """In this process: main() is what ``python -m jaxtron.launch k8s`` runs (the manifest test above runs that
+    command), without a Python start-up per case."""
+    from jaxtron.launch.__main__ import main
+
+    try:
+        status = main(["k8s", *args])
+    except SystemExit as stop:  # argparse's own exit, as the command would end
+        status = stop.code
+    captured = capsys.readouterr()
+    assert status == 2 and captured.err.startswith("error: launch k8s: ") and message in captured.err, captured
+    assert len(captured.err.strip().splitlines()) == 1 and not captured.out
 
 
 def _pod_env(job, jobs=2, **extra):
