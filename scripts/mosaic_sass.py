@@ -22,8 +22,11 @@ cannot be read raises with the child's output. Exit status 1 if any kernel spill
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import ctypes
 import functools
+import hashlib
 import json
 import os
 import re
@@ -139,7 +142,7 @@ _DISCHARGED_NAMES = {"new_body": "flash_attention_mosaic_dkv_dq"}
 def compile_module(module: bytes, driver_dir: str, workdir: str, sass: bool = False) -> tuple[dict, str]:
     """(ptxas's report, the child's output) for one serialized module, compiled in a child process with the
     stand-in driver; with sass the output also holds the SASS listing (nvdisasm, found on PATH)."""
-    path = os.path.join(workdir, "module.mlirbc")
+    path = os.path.join(workdir, f"module-{hashlib.sha256(module).hexdigest()[:16]}.mlirbc")   # one per call
     with open(path, "wb") as f:
         f.write(module)
     env = dict(os.environ, LD_LIBRARY_PATH=driver_dir, MOSAIC_GPU_DUMP_PTXAS="1", JAX_PLATFORMS="cpu",
@@ -148,7 +151,7 @@ def compile_module(module: bytes, driver_dir: str, workdir: str, sass: bool = Fa
         root = os.path.join(workdir, "cuda_root")
         os.makedirs(os.path.join(root, "bin"), exist_ok=True)
         link = os.path.join(root, "bin", "nvdisasm")
-        if not os.path.exists(link):
+        with contextlib.suppress(FileExistsError):         # another thread's compile made it
             os.symlink(shutil.which("nvdisasm"), link)
         env.update(MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_CUDA_ROOT=root)
     t0 = time.perf_counter()
@@ -231,24 +234,29 @@ def attention_cases(head_dim: int, seq: int):
     yield "fwd+bwd segment ids", grad(), (q, kv, kv, seg)
 
 
-def report(head_dims, seq: int, sass_dir: str | None = None) -> list[dict]:
+def report(head_dims, seq: int, sass_dir: str | None = None, jobs: int | None = None) -> list[dict]:
     """One row per distinct kernel: the first case it appears in, and ptxas's report (with sass_dir, the SASS
-    goes to sass_dir/<kernel>-d<head_dim>-<n>.sass and the row gets its loops)."""
+    goes to sass_dir/<kernel>-d<head_dim>-<n>.sass and the row gets its loops). The kernels are lowered one
+    after the other (JAX, in this process) and compiled by `jobs` child processes at a time (default: the CPU
+    count, at most 4): each child spends seconds in ptxas alone."""
+    first = {}                                         # kernel hash -> (head_dim, case, module), in lowering order
+    for d in head_dims:
+        for case, fn, specs in attention_cases(d, seq):
+            for kernel_hash, module in lowered_modules(fn, *specs).items():
+                first.setdefault(kernel_hash, (d, case, module))
+    jobs = jobs or min(4, os.cpu_count() or 1)
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         driver = build_driver(tmp)
-        for d in head_dims:
-            for case, fn, specs in attention_cases(d, seq):
-                for kernel_hash, module in lowered_modules(fn, *specs).items():
-                    if kernel_hash in rows:
-                        continue
-                    row, listing = compile_module(module, driver, tmp, sass=sass_dir is not None)
-                    rows[kernel_hash] = {"head_dim": d, "case": case, **row}
-                    if sass_dir is not None:
-                        name = f"{row['kernel']}-d{d}-{len(rows)}.sass"
-                        with open(os.path.join(sass_dir, name), "w") as f:
-                            f.write(listing)
-                        rows[kernel_hash].update(sass=name, loops=sass_loops(listing))
+        done = pool.map(lambda item: compile_module(item[2], driver, tmp, sass=sass_dir is not None),
+                        first.values())
+        for (kernel_hash, (d, case, _)), (row, listing) in zip(first.items(), done):
+            rows[kernel_hash] = {"head_dim": d, "case": case, **row}
+            if sass_dir is not None:
+                name = f"{row['kernel']}-d{d}-{len(rows)}.sass"
+                with open(os.path.join(sass_dir, name), "w") as f:
+                    f.write(listing)
+                rows[kernel_hash].update(sass=name, loops=sass_loops(listing))
     return list(rows.values())
 
 
