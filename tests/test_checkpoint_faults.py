@@ -14,7 +14,7 @@ import pytest
 from helpers import TINY, cpu_xla_flags
 from jaxtron.checkpoint.shards import WRITE_DELAY_ENV
 
-STEPS = 30
+STEPS = 12  # enough for a save every 2 steps to be in flight, and for retention to drop old ones
 COMMON = TINY + ["data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1",
                  "train.eval_every=0", "logging.log_every=1", f"train.steps={STEPS}"]
 ENV = {**os.environ, "XLA_FLAGS": cpu_xla_flags(1), "JAX_PLATFORMS": "cpu"}
@@ -101,7 +101,10 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, reference
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, reference):
     out = str(tmp_path / "run")
-    proc = subprocess.Popen(_cmd(out), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # every step from step 2 on sleeps 0.5 s (JAXTRON_FAULTS), so the SIGTERM sent after step 2 lands seconds
+    # before the last step
+    proc = subprocess.Popen(_cmd(out), env={**ENV, "JAXTRON_FAULTS": "sleep=0.5@step=2"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: len(_losses(out)) >= 2, proc)
         proc.send_signal(signal.SIGTERM)
