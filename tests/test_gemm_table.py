@@ -13,7 +13,7 @@ import pytest
 from helpers import cpu_xla_flags
 from jaxtron.plan import get_gpu
 from jaxtron.plan.gemm import GemmModel, gemm_time, load_table
-from test_plan import SMALL, _cli, needs_xla_gpu
+from test_plan import SMALL, _cli, _cli_and_module, needs_xla_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = get_gpu("h100")
@@ -82,11 +82,13 @@ def test_a_bad_table_is_a_one_line_error_naming_it(tmp_path, content, says):
 @needs_xla_gpu
 def test_the_step_model_takes_the_table_for_the_gemms_it_covers(tmp_path):
     """One H100, SMALL: with a table of one bf16 point at 100 TFLOP/s every GEMM is timed from it (efficiency
-    100/989 at that shape, moved by the shape factors) and the GEMM time grows accordingly."""
+    100/989 at that shape, moved by the shape factors) and the GEMM time grows accordingly (the compiled module
+    planned again with the table: the table changes the arithmetic, not the program)."""
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"entries": [{"m": 2048, "n": 1024, "k": 256, "dtype": "bf16", "tflops": 100.0}]}))
     args = ("--gpu", "h100", "--num-gpus", "1", *SMALL, "parallel.fsdp=1", "parallel.data=1")
-    base, measured = _cli(*args)["step_model"], _cli("--gemm-table", str(table), *args)["step_model"]
+    base, module = _cli_and_module(*args)
+    base, measured = base["step_model"], _cli("--hlo", module, "--gemm-table", str(table), *args)["step_model"]
     assert {s["source"] for s in measured["gemm_top_shapes"].values()} == {"table"}
     assert {s["source"] for s in base["gemm_top_shapes"].values()} == {"model"}
     assert measured["constants"]["table_points"] == 1 and measured["constants"]["table_source"] == str(table)
