@@ -257,7 +257,10 @@ PARALLEL_MOE = (*MOE, "model.num_layers=5", "model.moe.first_dense_layers=1", "m
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean")
 
 
-@pytest.fixture(scope="module")
+# session scope: kept for the whole run of a worker. A module-scoped record is torn down whenever the
+# worker's next test is in another module (xdist interleaves modules; slow tests run first), and building
+# it again traces and lowers the program again, even where the compile cache has it.
+@pytest.fixture(scope="session")
 def one_device():
     """The reference of every layout: one device accumulating 2 micro batches of 4 (the load-balancing loss is
     per micro batch, so each layout runs 2 micro batches too)."""
@@ -364,8 +367,9 @@ def test_cached_decoding_of_grouped_moe_layers_equals_the_full_forward():
     full = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p))(state, tokens, positions)
     cached = jax.jit(lambda st, *a: nnx.merge(graphdef, st).forward_cached(*a))  # jitted: eager is far slower
     start = jnp.zeros((2,), jnp.int32)
-    first, cache = cached(state, tokens[:, :5], positions[:, :5], init_cache(cfg, 2, 8), 0, start)
-    rest, cache = cached(state, tokens[:, 5:], positions[:, 5:], cache, 5, start)
+    # two chunks of the same length: one compile of the cached forward serves both (the offset is traced)
+    first, cache = cached(state, tokens[:, :4], positions[:, :4], init_cache(cfg, 2, 8), 0, start)
+    rest, cache = cached(state, tokens[:, 4:], positions[:, 4:], cache, 4, start)
     np.testing.assert_allclose(np.concatenate([first, rest], axis=1), full, rtol=1e-5, atol=1e-5)
     assert cache.k.shape[0] == 4
 

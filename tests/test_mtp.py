@@ -16,6 +16,7 @@ from flax import nnx
 
 from helpers import NONZERO_LR, assert_same_training, cpu_xla_flags, synthetic_batch, tiny_config, training_record
 from jaxtron.config import ConfigError
+from jaxtron.train.step import make_train_step
 from jaxtron.train.trainer import Trainer, put_batch
 
 MTP_SMALL = ("model.remat=none", "model.attention_impl=xla")
@@ -83,13 +84,16 @@ def test_mtp_loss_and_gradients_equal_a_reimplementation(depth, chunk):
 
     # jitted: run op by op, the reference's forward and backward took a fifth of this test's CPU time
     (_, ref_mtp), ref_grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
-    grads, _ = trainer.gradients(put_batch(batch, trainer.batch_sharding))
+    # the train step's own gradient (the one it hands the optimizer) and mtp_loss from one compiled step
+    p = trainer.program
+    trainer.train_step = make_train_step(cfg, p.spec, p.tx, p.schedule, p.layout, return_grads=True)
+    m = trainer.step(put_batch(batch, trainer.batch_sharding))
+    grads = m.pop("grads")
     ref_grads = nnx.to_pure_dict(ref_grads)
     flat = jax.tree_util.tree_leaves_with_path(ref_grads)
     assert any("mtp" in jax.tree_util.keystr(path) for path, _ in flat)
     for (path, e), a in zip(flat, jax.tree.leaves(grads)):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
-    m = trainer.step(put_batch(batch, trainer.batch_sharding))
     np.testing.assert_allclose(float(m["mtp_loss"]), float(ref_mtp), rtol=1e-5)
     assert float(m["mtp_loss"]) > 0
 
@@ -97,7 +101,10 @@ def test_mtp_loss_and_gradients_equal_a_reimplementation(depth, chunk):
 LAYOUT = (*MTP_SMALL, "model.mtp.num_layers=2", "model.mtp.loss_coef=0.5", *NONZERO_LR)
 
 
-@pytest.fixture(scope="module")
+# session scope: kept for the whole run of a worker. A module-scoped record is torn down whenever the
+# worker's next test is in another module (xdist interleaves modules; slow tests run first), and building
+# it again traces and lowers the program again, even where the compile cache has it.
+@pytest.fixture(scope="session")
 def one_device():
     return training_record(tiny_config(*LAYOUT, "train.micro_batch_size=4"), jax.devices()[:1])
 
