@@ -25,7 +25,10 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
+# session scope: kept for the whole run of a worker. A module-scoped record is torn down whenever the
+# worker's next test is in another module (xdist interleaves modules; slow tests run first), and building
+# it again traces and lowers the program again, even where the compile cache has it.
+@pytest.fixture(scope="session")
 def one_device():
     return training_record_with_params(tiny_config(*NONZERO_LR), jax.devices()[:1])[0]
 

@@ -42,7 +42,10 @@ def _record(cfg, devices):
     return moe_training_record(cfg, devices, METRICS)
 
 
-@pytest.fixture(scope="module")
+# session scope: kept for the whole run of a worker. A module-scoped record is torn down whenever the
+# worker's next test is in another module (xdist interleaves modules; slow tests run first), and building
+# it again traces and lowers the program again, even where the compile cache has it.
+@pytest.fixture(scope="session")
 def one_device():
     return _record(tiny_config(*EP_MOE, "parallel.data=1", "train.micro_batch_size=8"), jax.devices()[:1])[0]
 

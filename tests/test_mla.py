@@ -104,7 +104,10 @@ def test_module_matches_deepseek_v3_attention(q_lora):
 # ------------------------------------------------------------------------------------------ layouts
 
 
-@pytest.fixture(scope="module")
+# session scope: kept for the whole run of a worker. A module-scoped record is torn down whenever the
+# worker's next test is in another module (xdist interleaves modules; slow tests run first), and building
+# it again traces and lowers the program again, even where the compile cache has it.
+@pytest.fixture(scope="session")
 def one_device():
     return training_record(tiny_config(*MLA, "model.mla.q_lora_rank=24", *NONZERO_LR, "parallel.data=1"),
                            jax.devices()[:1])

@@ -18,7 +18,10 @@ def config(*overrides):
     return tiny_config(*overrides, *NONZERO_LR)
 
 
-@pytest.fixture(scope="module")
+# session scope: kept for the whole run of a worker. A module-scoped record is torn down whenever the
+# worker's next test is in another module (xdist interleaves modules; slow tests run first), and building
+# it again traces and lowers the program again, even where the compile cache has it.
+@pytest.fixture(scope="session")
 def reference():
     return training_record(config("parallel.data=1"), jax.devices()[:1])
 
