@@ -1,10 +1,9 @@
-"""Multi-process training on localhost: 2 processes x 4 CPU devices equal 1 process x 8 devices, the checkpoint
-they write resumes in 1 process, and a process that dies takes the other down with an error (no hang)."""
+"""Multi-process training on localhost: 2 processes x 4 CPU devices equal 1 process x 8 devices and stop together
+on SIGTERM, the checkpoint they write resumes in 1 process, and a process that dies takes the other down with an
+error (no hang)."""
 
 import json
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,11 +20,13 @@ COMMON = TINY + ["data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "tr
                  "parallel.tensor=2", "optim.decay_steps=20"]  # a schedule that does not depend on train.steps
 
 
-def _env(devices, **extra):
-    # No persistent compilation cache here (conftest sets one): two processes, one of which loads a cached
-    # executable and the other compiles it, could not agree on a Gloo context on XLA:CPU (jax 0.10.2: each
-    # waited 30 s for the other's key, then failed).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRON_") and k != "JAX_COMPILATION_CACHE_DIR"}
+def _env(devices, one_process=False, **extra):
+    # No persistent compilation cache for the multi-process runs (conftest sets one): two processes, one of which
+    # loads a cached executable and the other compiles it, could not agree on a Gloo context on XLA:CPU (jax
+    # 0.10.2: each waited 30 s for the other's key, then failed). A one-process run keeps it: its train step on
+    # 8 devices is test_launch's reference's, and the resume below compiles the reference's program again.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JAXTRON_") and (one_process or k != "JAX_COMPILATION_CACHE_DIR")}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices), **extra)
     return env
 
@@ -41,7 +42,7 @@ def _losses(out) -> dict:
 
 def _train(out, *extra, devices=8):
     return subprocess.run([sys.executable, "-m", "jaxtron.train", *COMMON, f"train.output_dir={out}", *extra],
-                          capture_output=True, text=True, timeout=600, env=_env(devices))
+                          capture_output=True, text=True, timeout=600, env=_env(devices, one_process=True))
 
 
 def _close(a: dict, b: dict, rtol=1e-5):
@@ -50,29 +51,52 @@ def _close(a: dict, b: dict, rtol=1e-5):
         assert abs(a[step] - b[step]) <= rtol * abs(b[step]), (step, a[step], b[step])
 
 
-def test_two_processes_equal_one_then_resume_in_one(tmp_path):
+def _metric_rows(out) -> int:
+    metrics = os.path.join(out, "metrics.jsonl")
+    return len(open(metrics).read().splitlines()) if os.path.exists(metrics) else 0
+
+
+def test_two_processes_equal_one_stop_on_sigterm_then_resume_in_one(tmp_path):
+    """2 processes x 4 devices (scripts/launch_local.sh) train with the losses of 1 process x 8 devices until
+    SIGTERM to the script: both processes save at the same step and the script returns 0; 1 process x 8 devices
+    resumes that 2-process checkpoint to the uninterrupted run's losses."""
     ref = str(tmp_path / "ref")
     proc = _train(ref, "train.steps=8", "checkpoint.enabled=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = _losses(ref)
 
-    # the same train.steps as the reference: the sample order depends on it (as Megatron's does)
+    # the same train.steps as the reference: the sample order depends on it (as Megatron's does). Every step
+    # from step 2 on sleeps 1 s (JAXTRON_FAULTS), so the SIGTERM sent after step 2 lands seconds before step 8.
     out = str(tmp_path / "multi")
     launch = [os.path.join(REPO, "scripts", "launch_local.sh"), "2", "--", *COMMON, "train.steps=8",
-              "checkpoint.every_steps=5", f"train.output_dir={out}"]
-    proc = subprocess.run(launch, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=_env(4, PYTHON=sys.executable))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    _close(_losses(out), reference)
-    step_dir = os.path.join(out, "checkpoints", "5", "params")
+              f"train.output_dir={out}"]
+    proc = subprocess.Popen(launch, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(4, PYTHON=sys.executable, JAXTRON_FAULTS="sleep=1@step=2"))
+    try:
+        t0 = time.time()
+        while _metric_rows(out) < 3:  # step 0's held-out loss, steps 1 and 2
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() - t0 < 300
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-4000:]
+    steps = [int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()]
+    assert len(steps) == 1 and 2 <= steps[0] < 8, steps
+    saved = steps[0]
+    step_dir = os.path.join(out, "checkpoints", str(saved), "params")
     assert {f for f in os.listdir(step_dir) if f.startswith("index.")} == {"index.p0.json", "index.p1.json"}
-    assert proc.stdout.count("held-out loss") == 1  # only process 0 reports
-    assert "[Gloo]" not in proc.stdout  # XLA:CPU's collectives announce every connection from C++: dropped
+    _close(_losses(out), {step: loss for step, loss in reference.items() if step <= saved})
+    assert stderr.count("step 0: held-out loss") == 1, stderr[-3000:]  # only process 0 logs
+    # only process 0 reports, and XLA:CPU's collectives' "[Gloo]" announcements (from C++) are dropped
+    assert stdout.splitlines() == [f"stopped by SIGTERM at step {saved} of 8; the next start resumes from there"]
 
-    shutil.rmtree(os.path.join(out, "checkpoints", "8"))  # as if the 2-process job had died after step 5
     proc = _train(out, "train.steps=8")  # 1 process x 8 devices resumes the 2-process checkpoint
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(step 5)" in proc.stderr
+    assert f"(step {saved})" in proc.stderr
     _close(_losses(out), reference)
 
 
@@ -82,7 +106,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("fault,victim", [("SIGKILL", 1), ("SIGSTOP", 1), ("SIGKILL", 0), ("SIGSTOP", 0)])
+# A timeout well under JAX's heartbeat timeout (train.collective_timeout_s + 30 s) and well over a beat interval
+# (1 s) on a loaded 2-core machine: a stopped peer is named after TIMEOUT_S.
+TIMEOUT_S = 8
+
+
+def _stopped_line(victim: int) -> str:
+    return (f"error: process {victim} of 2 stopped answering for {TIMEOUT_S} s (killed, crashed, stopped or its "
+            "node lost); exiting")
+
+
+# A stopped process 1 is the second half of test_launch_local_passes_sigterm_on_and_kills_a_stopped_child (the
+# same watchdog path as a stopped process 0: the survivor's beat thread sees the peer's counter stand still;
+# process 0's coordination service runs in a process of its own, so stopping process 0 does not stop it).
+@pytest.mark.parametrize("fault,victim", [("SIGKILL", 1), ("SIGKILL", 0), ("SIGSTOP", 0)])
 def test_a_lost_process_stops_the_other_with_one_error_line(tmp_path, fault, victim):
     """A killed peer (its connections close: the next collective fails, and the watchdog names the process
     whose beats stopped) or a stopped one (silent: jaxtron's watchdog sees its beats, or process 0's
@@ -94,12 +131,11 @@ def test_a_lost_process_stops_the_other_with_one_error_line(tmp_path, fault, vic
     for pid in range(2):
         env = _env(4, JAXTRON_COORDINATOR=f"127.0.0.1:{port}", JAXTRON_NUM_PROCESSES="2", JAXTRON_PROCESS_ID=str(pid))
         cmd = [sys.executable, "-m", "jaxtron.train", *COMMON, "train.steps=100000", f"train.output_dir={out}",
-               "train.collective_timeout_s=8", "checkpoint.enabled=false"]
+               f"train.collective_timeout_s={TIMEOUT_S}", "checkpoint.enabled=false"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        metrics = os.path.join(out, "metrics.jsonl")
         t0 = time.time()
-        while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 3):
+        while _metric_rows(out) < 3:
             assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
             assert time.time() - t0 < 300
             time.sleep(0.2)
@@ -116,10 +152,8 @@ def test_a_lost_process_stops_the_other_with_one_error_line(tmp_path, fault, vic
     assert survivor.returncode == 75, stderr[-3000:]
     assert "Check failure" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert [line for line in lines if line.startswith("error:")] == lines[-1:], stderr[-3000:]
-    stopped = (f"error: process {victim} of 2 stopped answering for 8 s (killed, crashed, stopped or its node "
-               "lost); exiting")
     if fault == "SIGSTOP":
-        assert lines[-1] == stopped, stderr[-3000:]
+        assert lines[-1] == _stopped_line(victim), stderr[-3000:]
     else:
         # the watchdog sees the killed peer's process gone (same machine) at its next beat, or the failed
         # collective reports it first. Process 0's coordination service lives in a process of its own
@@ -129,23 +163,7 @@ def test_a_lost_process_stops_the_other_with_one_error_line(tmp_path, fault, vic
             f"error: process {victim} of 2 was lost (killed or crashed: its heartbeat stopped); process "
             f"{1 - victim}'s collective failed: "), stderr[-3000:]
         assert waited < 15, waited
-    assert waited < 40, waited  # JAX's own heartbeat timeout would be 8 + 30 s, then a C++ abort
-
-
-def _launch(out, *extra, grace=60):
-    cmd = [os.path.join(REPO, "scripts", "launch_local.sh"), "2", "--", *COMMON, "train.steps=100000",
-           "train.collective_timeout_s=8", f"train.output_dir={out}", *extra]
-    metrics = os.path.join(out, "metrics.jsonl")
-    rows = lambda: len(open(metrics).read().splitlines()) if os.path.exists(metrics) else 0  # noqa: E731
-    before = rows()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(4, PYTHON=sys.executable, JAXTRON_LAUNCH_GRACE_S=str(grace)))
-    t0 = time.time()
-    while rows() < before + 2:  # two training steps of this launch logged
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() - t0 < 300
-        time.sleep(0.2)
-    return proc
+    assert waited < TIMEOUT_S + 25, waited  # JAX's own heartbeat timeout would be TIMEOUT_S + 30 s, then a C++ abort
 
 
 def _children(pid) -> list[int]:
@@ -153,26 +171,22 @@ def _children(pid) -> list[int]:
     return [int(p) for p in out]
 
 
-def test_launch_local_passes_sigterm_on_and_kills_a_stopped_child(tmp_path):
-    """SIGTERM to launch_local.sh: both processes save at the same step and the script returns 0. A stopped
-    child: the other exits 75 (the watchdog), the script SIGKILLs the stopped one after its grace period and
-    returns 75 instead of waiting forever."""
+def test_launch_local_kills_a_stopped_child(tmp_path):
+    """A stopped child (process 1) of launch_local.sh: the other exits 75 with one ``error:`` line naming it
+    (the watchdog), the script SIGKILLs the stopped one after its grace period and returns 75 instead of
+    waiting forever. (SIGTERM to the script: test_two_processes_equal_one_stop_on_sigterm_then_resume_in_one.)"""
     out = str(tmp_path / "run")
-    proc = _launch(out)
+    cmd = [os.path.join(REPO, "scripts", "launch_local.sh"), "2", "--", *COMMON, "train.steps=100000",
+           f"train.collective_timeout_s={TIMEOUT_S}", f"train.output_dir={out}", "checkpoint.enabled=false"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(4, PYTHON=sys.executable, JAXTRON_LAUNCH_GRACE_S="3"))
+    children = []
     try:
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
-    steps = [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()]
-    assert len(steps) == 1, steps
-    index = os.listdir(os.path.join(out, "checkpoints", steps[0], "params"))
-    assert {"index.p0.json", "index.p1.json"} <= set(index)
-
-    proc = _launch(out, grace=3)  # resumes from that checkpoint
-    try:
+        t0 = time.time()
+        while _metric_rows(out) < 3:  # step 0's held-out loss, steps 1 and 2
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() - t0 < 300
+            time.sleep(0.2)
         children = _children(proc.pid)
         assert len(children) == 2, children
         os.kill(children[1], signal.SIGSTOP)
@@ -189,6 +203,13 @@ def test_launch_local_passes_sigterm_on_and_kills_a_stopped_child(tmp_path):
                 pass
     assert proc.returncode == 75, stderr[-3000:]
     assert "stopping the others" in stderr and waited < 60, (waited, stderr[-3000:])
+    # process 0's lines (process 1 is stopped and then killed: it says nothing more), less the script's own and
+    # bash's note on the job it killed ("/path/launch_local.sh: line 57:  1234 Killed  ...")
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("[Gloo]")
+             and not line.split(" ", 1)[0].endswith("launch_local.sh:")]
+    assert "Check failure" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert [line for line in lines if line.startswith("error:")] == [_stopped_line(1)], stderr[-3000:]
+    assert lines[-1] == _stopped_line(1), stderr[-3000:]
     assert all(subprocess.run(["ps", "-p", str(c), "-o", "stat="], capture_output=True, text=True).stdout.strip()
                in ("", "Z") for c in children)
 
