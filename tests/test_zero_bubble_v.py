@@ -234,11 +234,13 @@ def test_toy_chain_equals_one_device():
 
 
 def test_zbv_trains_like_one_device():
-    """The tiny Llama (4 layers: 4 chunks of one layer) on stage 2 x tensor 2 x data 2, 4 micro batches."""
+    """The tiny Llama (8 layers: 4 chunks of two layers) on stage 2 x tensor 2 x data 2, 4 micro batches. The
+    one-device reference is test_pipeline.py's (the same config), so the suite compiles it once (the persistent
+    compile cache)."""
     batch, micro_batches, dp = 16, 4, 2
 
     def config(*overrides):
-        return tiny_config("model.num_layers=4", f"train.global_batch_size={batch}", *NONZERO_LR, *overrides)
+        return tiny_config("model.num_layers=8", f"train.global_batch_size={batch}", *NONZERO_LR, *overrides)
 
     reference = training_record(config("parallel.data=1", f"train.micro_batch_size={batch // micro_batches}"),
                                 jax.devices()[:1])
