@@ -8,7 +8,7 @@ import pytest
 
 from jaxtron.plan import get_gpu, steptime
 from jaxtron.plan.gemm import GemmModel, gemm_time
-from test_plan import SMALL, _cli, needs_xla_gpu
+from test_plan import SMALL, _cli, _cli_and_module, needs_xla_gpu
 
 H100 = get_gpu("h100")
 
@@ -47,8 +47,10 @@ def test_one_constant_does_not_set_the_ratio_between_shapes():
 @needs_xla_gpu
 def test_step_model_of_a_small_and_a_wider_model_and_its_independence_from_compute_efficiency():
     """XLA:GPU compiles for 1 H100: a hidden-256 model's GEMMs predict lower efficiency than a hidden-2048 one's
-    (depth and tiles), so its predicted MFU is lower; the roofline's compute_efficiency does not enter it."""
-    small = _cli("--gpu", "h100", "--num-gpus", "1", *SMALL, "parallel.fsdp=1", "parallel.data=1")
+    (depth and tiles), so its predicted MFU is lower; the roofline's compute_efficiency does not enter it (the
+    small model's module planned again with another compute_efficiency)."""
+    args = ("--gpu", "h100", "--num-gpus", "1", *SMALL, "parallel.fsdp=1", "parallel.data=1")
+    small, module = _cli_and_module(*args)
     wide = _cli("--gpu", "h100", "--num-gpus", "1", *SMALL, "parallel.fsdp=1", "parallel.data=1",
                 "model.hidden_size=2048", "model.intermediate_size=8192", "model.num_heads=16",
                 "model.num_kv_heads=8")
@@ -57,8 +59,8 @@ def test_step_model_of_a_small_and_a_wider_model_and_its_independence_from_compu
     assert s["gemm_efficiency"] < 0.5 * w["gemm_efficiency"] and s["mfu"] < w["mfu"]
     assert s["exposed_comm_s"] == 0 and s["attention_s"] == 0  # one GPU; xla attention is GEMMs in the HLO
     # the same prediction with another compute_efficiency; the roofline's moves
-    other = _cli("--gpu", "h100", "--num-gpus", "1", "--compute-efficiency", "0.3", *SMALL, "parallel.fsdp=1",
-                 "parallel.data=1")
+    other = _cli("--hlo", module, "--compute-efficiency", "0.3", *args)
+    assert other["source"] == "hlo" and other["step_model"]["gemm"] == s["gemm"]
     assert other["step_model"]["step_time_s"] == pytest.approx(s["step_time_s"])
     assert other["roofline"]["step_time_s"] > 1.3 * small["roofline"]["step_time_s"]
 
@@ -135,13 +137,13 @@ def test_pipelined_step_compiles_with_the_kernels_and_counts_its_schedule():
 def test_search_proposes_a_pipeline_first_when_the_step_model_predicts_it_fastest():
     """16 H100s in 2 nodes joined by a 0.05 GB/s network, a model whose weights outweigh its activations
     (hidden 1024, seq 64): any layout with a batch axis across the nodes reduces gradients over that network,
-    while stages across the nodes send only activations. --search compiles each stage count's best candidate,
-    ranks by the step model, and proposes a pipelined layout first, ahead of the best stage-1 layout it also
-    compiled; every proposed layout fits."""
+    while stages across the nodes send only activations. --search compiles each stage count's best candidate
+    (1, 2 and 4 stages of the 4 layers: 3 compiles), ranks by the step model, and proposes a pipelined layout
+    first, ahead of the best stage-1 layout it also compiled; every proposed layout fits."""
     wide = ["model.hidden_size=1024", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=4",
             "model.intermediate_size=4096", "model.vocab_size=256", "model.dtype=bfloat16", "data.seq_len=64",
             "train.global_batch_size=64"]
-    r = _cli("--gpu", "h100", "--num-gpus", "16", "--net-gbps", "0.05", "--search", "--max-compiles", "4",
+    r = _cli("--gpu", "h100", "--num-gpus", "16", "--net-gbps", "0.05", "--search", "--max-compiles", "3",
              "--top", "3", *wide, timeout=600)
     assert len(r["top"]) == 3 and all(t["memory"]["fits"] for t in r["top"]), r
     times = [t["step_model"]["step_time_s"] for t in r["top"]]
