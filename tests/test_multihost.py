@@ -56,6 +56,15 @@ def _metric_rows(out) -> int:
     return len(open(metrics).read().splitlines()) if os.path.exists(metrics) else 0
 
 
+def _wait_for_step_2(out, procs) -> None:
+    """Until ``out``'s metrics hold step 0's held-out loss and steps 1 and 2, while every process runs."""
+    t0 = time.time()
+    while _metric_rows(out) < 3:
+        assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+        assert time.time() - t0 < 300
+        time.sleep(0.2)
+
+
 def test_two_processes_equal_one_stop_on_sigterm_then_resume_in_one(tmp_path):
     """2 processes x 4 devices (scripts/launch_local.sh) train with the losses of 1 process x 8 devices until
     SIGTERM to the script: both processes save at the same step and the script returns 0; 1 process x 8 devices
@@ -73,11 +82,7 @@ def test_two_processes_equal_one_stop_on_sigterm_then_resume_in_one(tmp_path):
     proc = subprocess.Popen(launch, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(4, PYTHON=sys.executable, JAXTRON_FAULTS="sleep=1@step=2"))
     try:
-        t0 = time.time()
-        while _metric_rows(out) < 3:  # step 0's held-out loss, steps 1 and 2
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.time() - t0 < 300
-            time.sleep(0.2)
+        _wait_for_step_2(out, [proc])
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -135,11 +140,7 @@ def test_a_lost_process_stops_the_other_with_one_error_line(tmp_path, fault, vic
                f"train.collective_timeout_s={TIMEOUT_S}", "checkpoint.enabled=false"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        t0 = time.time()
-        while _metric_rows(out) < 3:
-            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
-            assert time.time() - t0 < 300
-            time.sleep(0.2)
+        _wait_for_step_2(out, procs)
         procs[victim].send_signal(getattr(signal, fault))
         t_fault = time.time()
         survivor = procs[1 - victim]
@@ -183,11 +184,7 @@ def test_launch_local_kills_a_stopped_child(tmp_path):
                             env=_env(4, PYTHON=sys.executable, JAXTRON_LAUNCH_GRACE_S="3"))
     children = []
     try:
-        t0 = time.time()
-        while _metric_rows(out) < 3:  # step 0's held-out loss, steps 1 and 2
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.time() - t0 < 300
-            time.sleep(0.2)
+        _wait_for_step_2(out, [proc])
         children = _children(proc.pid)
         assert len(children) == 2, children
         os.kill(children[1], signal.SIGSTOP)
