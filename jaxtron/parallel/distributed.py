@@ -106,8 +106,9 @@ _STDOUT_DRAIN = None
 
 def _drop_gloo_banners() -> None:
     """Gloo (XLA:CPU's collectives) prints ``[Gloo] Rank 0 is connected to 1 peer ranks ...`` from C++ on stdout
-    at every new communicator, interleaved between the processes. File descriptor 1 goes through a pipe whose
-    reader passes on every other line; at exit (or before ``os._exit``) the pipe is drained and fd 1 restored."""
+    at every new communicator, interleaved between the processes and its threads. File descriptor 1 goes through
+    a pipe whose reader passes on every other line; at exit (or before ``os._exit``) the pipe is drained and fd 1
+    restored."""
     import atexit
     import sys
     import threading
@@ -121,14 +122,20 @@ def _drop_gloo_banners() -> None:
     os.dup2(write_end, 1)
     os.close(write_end)
 
+    def banner(line: bytes) -> bool:
+        # Gloo writes a banner in pieces, so two communicators' banners can interleave mid-line and leave a
+        # tail (" is connected to 3 peer ranks. Expected number of connected peer ranks is : 3") on a line
+        # of its own
+        return b"[Gloo] " in line or b"connected peer ranks" in line
+
     def pump() -> None:
         rest = b""
         while chunk := os.read(read_end, 65536):
             *lines, rest = (rest + chunk).split(b"\n")
-            kept = b"".join(line + b"\n" for line in lines if not line.startswith(b"[Gloo] "))
+            kept = b"".join(line + b"\n" for line in lines if not banner(line))
             if kept:
                 os.write(real, kept)
-        if rest and not rest.startswith(b"[Gloo] "):
+        if rest and not banner(rest):
             os.write(real, rest)
         os.close(read_end)
 
