@@ -1,5 +1,6 @@
-"""parallel.collective_pipelining: XLA:GPU's collective pipeliner options go to jax.jit with the train step, so
-the trainer and the planner compile the same program. On by default for XLA:GPU compiles of FSDP layouts across
+"""parallel.collective_pipelining and parallel.split_reduce_scatters: XLA:GPU's collective pipeliner and
+reduce-scatter combiner options go to jax.jit with the train step, so the trainer and the planner compile the
+same program. On by default for XLA:GPU compiles of FSDP layouts across
 nodes, never passed to XLA:CPU; on an XLA:GPU compile the replay of the schedule shows the pipelined gathers and
 reduce-scatters hidden under compute."""
 
@@ -21,22 +22,33 @@ def test_the_options_are_asked_for_only_on_gpu_fsdp_layouts():
 
 
 @needs_xla_gpu
-def test_the_options_are_asked_for_only_across_nodes():
-    """XLA:GPU devices of one node (8 H100s) get XLA's defaults, those of two nodes the pipeliner."""
+def test_the_pipeliner_is_asked_for_only_across_nodes_and_split_reduce_scatters_only_without_stages():
+    """XLA:GPU devices of one node (8 H100s) get no pipeliner, those of two nodes do; both get the reduce-scatter
+    combiner off (parallel.split_reduce_scatters) unless the layout has pipeline stages, the model MoE layers or
+    the switch is off."""
     from jaxtron.plan import get_gpu, target_devices
+    from jaxtron.train.xla_options import SPLIT_REDUCE_SCATTERS, pipelined_collectives
 
-    for gpus, want in ((8, False), (16, True)):
+    for gpus, stage, split, want in ((8, 1, True, SPLIT_REDUCE_SCATTERS),
+                                     (16, 1, True, {**pipelined_collectives(), **SPLIT_REDUCE_SCATTERS}),
+                                     (16, 2, True, pipelined_collectives()),
+                                     (8, 1, False, None), (8, 1, "moe", None)):
         devices, backend, _ = target_devices(get_gpu("h100"), gpus)
-        cfg = tiny_config("parallel.data=1", f"parallel.fsdp={gpus}", f"train.global_batch_size={gpus}")
+        moe = ("model.moe.num_experts=4", "model.moe.num_experts_per_token=2") if split == "moe" else ()
+        cfg = tiny_config("parallel.data=1", f"parallel.fsdp={gpus // stage}", f"parallel.stage={stage}",
+                          f"train.global_batch_size={gpus}", f"parallel.split_reduce_scatters={split != False}",
+                          *moe)
         assert backend == "gpu"
-        assert (compiler_options(cfg, Layout.build(cfg, devices)) is not None) == want, gpus
+        assert compiler_options(cfg, Layout.build(cfg, devices)) == want, (gpus, stage, split)
 
 
 @needs_xla_gpu
 def test_the_planner_sees_the_pipelined_collectives_hidden_under_compute():
     """FSDP 16 on two nodes of 8 H100s, SMALL: the same wire time, less of it exposed, a shorter predicted step,
     and more memory for the buffers in flight; the override string says when the (default) option is off."""
-    args = ("--gpu", "h100", "--num-gpus", "16", *SMALL, "parallel.fsdp=16", "parallel.data=1")
+    # the pipeliner alone: SMALL's tiny reduce-scatters, split, are latency the pipeliner cannot hide
+    args = ("--gpu", "h100", "--num-gpus", "16", *SMALL, "parallel.fsdp=16", "parallel.data=1",
+            "parallel.split_reduce_scatters=false")
     plain, piped = _cli(*args, "parallel.collective_pipelining=false"), _cli(*args)
     a, b = plain["step_model"], piped["step_model"]
     # about the same wire time: the pipelined loop's collectives are rearranged, 10.5% less here (the 0.1

@@ -276,6 +276,15 @@ def test_xla_gpu_fsdp_collectives_and_memory():
     assert c["all-gather"]["result_bytes"] == pytest.approx(2 * 2 * n, rel=0.1)
     assert c["reduce-scatter"]["result_bytes"] * 8 + c["all-reduce"]["result_bytes"] == pytest.approx(2 * n, rel=0.1)
     assert r["memory"]["params"] == pytest.approx(4 * n / 8, rel=0.01)
+    # parallel.split_reduce_scatters (on by default here): one reduce-scatter per weight gradient instead of
+    # XLA's merged ones; the same bytes
+    merged = _cli("--gpu", "h100", "--num-gpus", "8", *SMALL, "parallel.data=1", "parallel.fsdp=8",
+                  "parallel.tensor=1", "model.remat=none", "parallel.split_reduce_scatters=false")
+    m = merged["collectives"]["reduce-scatter"]
+    # the layer loop's 7 projections, the embedding and the LM head; merged: 3
+    assert (c["reduce-scatter"]["ops"], m["ops"]) == (9, 3)
+    assert m["result_bytes"] == c["reduce-scatter"]["result_bytes"]
+    assert merged["overrides"].endswith("parallel.split_reduce_scatters=false")
 
 
 @needs_xla_gpu

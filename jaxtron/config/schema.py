@@ -83,6 +83,17 @@ class ParallelConfig:
                                            "options MaxText's GPU configs set). python -m jaxtron.plan predicts "
                                            "the step and memory both ways; false turns it off. Not passed to "
                                            "XLA:CPU.")
+    split_reduce_scatters: bool = _f(True, "For GPU compiles of dense models on FSDP layouts (fsdp > 1) without "
+                                           "pipeline stages: "
+                                           "XLA's reduce-scatter combiner off, so each weight's gradient "
+                                           "reduce-scatter is its own collective. XLA's schedule runs a layer's "
+                                           "reduce-scatters one after another behind its weight-gradient GEMMs "
+                                           "and waits for the last at the end of the layer loop's iteration; "
+                                           "merged (XLA's default, up to 30 MiB), that last one is several "
+                                           "weights' (Llama-3-8B, 8 H100: gate and up). Predicted faster on "
+                                           "every dense non-pipelined FSDP row tried (docs/parallelism.md); "
+                                           "slower with pipeline stages and on MoE models, which keep XLA's "
+                                           "default. Not passed to XLA:CPU.")
     context: int = _f(1, "Context-parallel size: the sequence axis of activations split over this mesh axis "
                          "(parameters are not; their gradients are reduced over it). Each sequence is cut into "
                          "2*context chunks and rank r holds chunks r and 2*context-1-r (causal load balance).")

@@ -63,7 +63,8 @@ def layout_overrides(cfg: Config) -> str:
     return (f"parallel.data={p.data} parallel.fsdp={p.fsdp} {ep}parallel.context={p.context} "
             f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage={p.stage} {pp}"
             f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
-            f"model.remat={m.remat}" + ("" if p.collective_pipelining else " parallel.collective_pipelining=false"))
+            f"model.remat={m.remat}" + ("" if p.collective_pipelining else " parallel.collective_pipelining=false")
+            + ("" if p.split_reduce_scatters else " parallel.split_reduce_scatters=false"))
 
 
 def memory_report(mem, spec, gpu: GpuSpec, backend: str) -> dict:
