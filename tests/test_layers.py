@@ -39,6 +39,27 @@ def test_gpu_projection_with_fp32_logits_matches_einsum(spec):
     _check_against_einsum(spec, SPECS[spec], jnp.bfloat16, jnp.float32, GPU.project)
 
 
+def test_gpu_lm_head_backward_gemms_return_bf16():
+    """The GPU path's backward GEMMs of a bf16 projection with fp32 logits return bf16 (accumulated in fp32 by
+    the GEMM): an fp32 weight gradient would be the step's one fp32 FSDP reduce-scatter (2 GB per micro batch on
+    Llama-3-8B's LM head). Only the forward's logits are fp32."""
+    x = jnp.ones((2, 4, 8), jnp.bfloat16)
+    w = jnp.ones((8, 16), jnp.bfloat16)
+    loss = lambda x, w: jnp.sum(GPU.project("bsd,dv->bsv", x, w, jnp.float32))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+    def dots(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn.outvars[0].aval.dtype
+            for p in eqn.params.values():
+                inner = getattr(p, "jaxpr", None)
+                if inner is not None:
+                    yield from dots(getattr(inner, "jaxpr", inner))
+
+    assert sorted(map(str, dots(jaxpr.jaxpr))) == ["bfloat16", "bfloat16", "float32"]
+
+
 CONTRACT_SPECS = {  # attention's two contractions (GQA: 2 kv heads, 2 queries per kv head)
     "bqkgd,bskd->bkgqs": ((2, 24, 2, 2, 8), (2, 24, 2, 8)),
     "bkgqs,bskd->bqkgd": ((2, 2, 2, 24, 24), (2, 24, 2, 8)),
