@@ -1,7 +1,10 @@
 """FP8 projections (model.fp8=current): quantize/dequantize and the scaled matmul against numpy (ml_dtypes'
 float8 types), gradients against a numpy backward with e5m2 cotangents, training close to the bf16/fp32 run
 and equal across layouts (the scales are global amaxes, not per shard), and in the XLA:GPU compile every
-projection's forward, dgrad and wgrad GEMM on FP8 operands with the FSDP all-gather at half of bf16's bytes."""
+projection's forward, dgrad and wgrad GEMM on FP8 operands with the FSDP all-gather at half of bf16's bytes
+(current and delayed recipes; the blockwise recipe's GEMMs as Triton calls, against the current one's compile).
+Delayed scaling: amax histories that roll, agree across layouts, accumulation and pipeline micro batches, and
+resume exactly; routed MoE experts in FP8."""
 
 import ml_dtypes
 import numpy as np
@@ -142,30 +145,46 @@ def test_unknown_recipe_is_a_config_error():
 
 # ------------------------------------------------------------------------------------ XLA:GPU compile
 
+# hidden 1024: the blockwise recipe's 128 x 128 weight tiles split evenly over the 8 FSDP shards
+FSDP8 = ("--gpu", "h100", "--num-gpus", "8", *SMALL, "model.hidden_size=1024", "parallel.data=1", "parallel.fsdp=8",
+         "parallel.tensor=1", "model.remat=none")
+
+
 @needs_xla_gpu
-@pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_xla_gpu_compile_runs_every_projection_gemm_in_fp8_and_gathers_fp8_weights(recipe):
-    r = _cli("--gpu", "h100", "--num-gpus", "8", *SMALL, "parallel.data=1", "parallel.fsdp=8",
-             "parallel.tensor=1", "model.remat=none", f"model.fp8={recipe}")
-    cfg = _cfg()
+def test_xla_gpu_compile_runs_every_projection_gemm_in_fp8_and_gathers_fp8_weights():
+    """8 H100s, FSDP 8, one compile per recipe (all three in one test: the blockwise check compares against the
+    current recipe's compile). current and delayed: every projection's forward, dgrad and wgrad dot on FP8
+    operands, the weights gathered in e4m3. blockwise: the projections' FP8 dots become 21 Triton calls (7
+    projections x forward, dgrad, wgrad; the layer scan's body compiled once), the other dots (attention, LM
+    head) are current's, and the FSDP all-gathers move current's FP8 bytes (the tiles' fp32 scales add
+    4 / 128^2)."""
+    runs = {recipe: _cli(*FSDP8, f"model.fp8={recipe}") for recipe in ("current", "delayed", "blockwise")}
+    cfg = _cfg("model.hidden_size=1024")
     m = cfg.model
     d, hd = m.hidden_size, m.hidden_size // m.num_heads
     per_layer = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * m.intermediate_size
     tokens = cfg.train.global_batch_size * cfg.data.seq_len // 8
     forward = 2.0 * tokens * per_layer  # one layer: the scanned body's dots are counted once
-    dots = r["dots"]
-    fp8_flops = sum(v["flops"] for k, v in dots.items() if "f8" in k)
-    # forward, dgrad and wgrad of every projection: e4m3 x e4m3 forward, e5m2 gradients against e4m3
-    assert fp8_flops == pytest.approx(3 * forward, rel=1e-6), dots
-    assert {k for k in dots if "f8" in k} >= {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn"}
-    # the planner's closed form counts the same FLOPs (all layers) for the FP8 peak
-    assert r["roofline"]["fp8_flops_per_device"] == pytest.approx(fp8_flops * m.num_layers, rel=1e-6)
-    # FSDP 8: the projections' weights travel as e4m3 (forward and backward), the rest as bf16
     projections = per_layer * m.num_layers
     rest = pm.param_count(m) - projections
-    gathered = r["collectives"]["all-gather"]["result_bytes"]
-    assert gathered == pytest.approx(2 * projections + 2 * 2 * rest, rel=0.05)
-    assert gathered < 0.55 * 2 * 2 * pm.param_count(m)  # about half of the bf16 run's
+    gathered = lambda r: r["collectives"]["all-gather"]["result_bytes"]  # noqa: E731
+    for recipe in ("current", "delayed"):
+        r = runs[recipe]
+        dots = r["dots"]
+        fp8_flops = sum(v["flops"] for k, v in dots.items() if "f8" in k)
+        # forward, dgrad and wgrad of every projection: e4m3 x e4m3 forward, e5m2 gradients against e4m3
+        assert fp8_flops == pytest.approx(3 * forward, rel=1e-6), (recipe, dots)
+        assert {k for k in dots if "f8" in k} >= {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn"}, (recipe, dots)
+        # the planner's closed form counts the same FLOPs (all layers) for the FP8 peak
+        assert r["roofline"]["fp8_flops_per_device"] == pytest.approx(fp8_flops * m.num_layers, rel=1e-6), recipe
+        # FSDP 8: the projections' weights travel as e4m3 (forward and backward), the rest as bf16
+        assert gathered(r) == pytest.approx(2 * projections + 2 * 2 * rest, rel=0.05), recipe
+        assert gathered(r) < 0.55 * 2 * 2 * pm.param_count(m), recipe  # about half of the bf16 run's
+    cur, blk = runs["current"], runs["blockwise"]
+    assert blk["kernels"]["triton_calls"] == 21 and cur["kernels"]["triton_calls"] == 0
+    assert not any("f8" in k for k in blk["dots"]), blk["dots"]
+    assert blk["dots"] == {k: v for k, v in cur["dots"].items() if "f8" not in k}
+    assert gathered(blk) == pytest.approx(gathered(cur), rel=0.02), (gathered(blk), gathered(cur))
 
 
 # ------------------------------------------------------------------------------------------ delayed scaling
