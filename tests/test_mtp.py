@@ -1,5 +1,6 @@
-"""DeepSeek-V3 multi-token prediction (docs/mtp.md): the loss against a re-implementation written here, every
-parallel layout against one device, the config checks, and the CLI logging mtp_loss."""
+"""DeepSeek-V3 multi-token prediction (docs/mtp.md): the loss against a re-implementation written here, an MoE
+model's MTP modules on fsdp 2 x context 2 x tensor 2 and on 1F1B stages (stage 2 x data 2 x tensor 2) against
+one device, the config checks, and the CLI logging mtp_loss."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import NONZERO_LR, assert_same_training, cpu_xla_flags, synthetic_batch, tiny_config, training_record
+from helpers import NONZERO_LR, assert_same_training, cpu_xla_flags, synthetic_batch, tiny_config
 from jaxtron.config import ConfigError
 from jaxtron.train.step import make_train_step
 from jaxtron.train.trainer import Trainer, put_batch
@@ -98,7 +99,24 @@ def test_mtp_loss_and_gradients_equal_a_reimplementation(depth, chunk):
     assert float(m["mtp_loss"]) > 0
 
 
-LAYOUT = (*MTP_SMALL, "model.mtp.num_layers=2", "model.mtp.loss_coef=0.5", *NONZERO_LR)
+# An MoE model (sigmoid router, aux-free biases, a load-balancing loss) with 2 MTP modules: the MTP block is a
+# decoder block of the last layer's kind, so an MoE block whose router losses reach the gradients and whose
+# aux-free bias moves by its own expert load (not the main layers')
+LAYOUT = (*MTP_SMALL, "model.mtp.num_layers=2", "model.mtp.loss_coef=0.5", "model.moe.num_experts=4",
+          "model.moe.num_experts_per_token=2", "model.moe.expert_intermediate_size=32", "model.moe.score_func=sigmoid",
+          "model.moe.aux_free_bias=true", "model.moe.bias_update_rate=0.05", "model.moe.aux_loss_coef=0.1",
+          *NONZERO_LR)
+
+
+def _record(cfg, devices):
+    """:func:`training_record_with_params` (3 steps) with the aux-free biases' gradients (zero: they move by the
+    load) taken out of the compared gradients."""
+    from helpers import training_record_with_params
+
+    record, _ = training_record_with_params(cfg, devices)
+    for tree in (record["grads"]["layers"]["mlp"], record["grads"]["mtp"]["block"]["mlp"]):
+        assert not np.any(tree.pop("expert_bias"))
+    return record
 
 
 # session scope: kept for the whole run of a worker. A module-scoped record is torn down whenever the
@@ -106,36 +124,40 @@ LAYOUT = (*MTP_SMALL, "model.mtp.num_layers=2", "model.mtp.loss_coef=0.5", *NONZ
 # it again traces and lowers the program again, even where the compile cache has it.
 @pytest.fixture(scope="session")
 def one_device():
-    return training_record(tiny_config(*LAYOUT, "train.micro_batch_size=4"), jax.devices()[:1])
+    """One device accumulating 2 micro batches of 4; every layout runs 2 micro batches too (the load-balancing
+    loss is per micro batch)."""
+    return _record(tiny_config(*LAYOUT, "train.micro_batch_size=4"), jax.devices()[:1])
 
 
-def test_mtp_on_fsdp2_tensor2_equals_one_device(one_device):
-    """fsdp 2 x tensor 2 x data 2: losses over 3 steps, gradient norms and every gradient leaf (the MTP modules'
-    included), relative 1e-5 in fp32."""
-    eight = training_record(tiny_config(*LAYOUT, "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
-                                        "train.micro_batch_size=2"), jax.devices())
-    assert_same_training(eight, one_device)
-    assert "mtp" in one_device["grads"]
+def _assert_same_as_one_device(eight, one):
+    """Losses over 3 steps, gradient norms, every gradient leaf (the MTP modules' and their block's router
+    included) and every parameter after the steps (the aux-free biases included), relative 1e-5 in fp32."""
+    from helpers import assert_same_params
+
+    assert_same_training(eight, one)
+    assert_same_params(eight["params"], one["params"], rtol=1e-5)
+    bias = one["params"]["mtp"]["block"]["mlp"]["expert_bias"]
+    assert bias.shape == (2, 4) and np.any(bias != 0)
+    assert "router" in one["grads"]["mtp"]["block"]["mlp"]
 
 
 @pytest.mark.slow
-def test_mtp_with_context_parallel_load_balance_equals_one_device(one_device):
-    """context 2 x data 2 x tensor 2: the sequences reach the devices reordered (the load balance), so the
-    shifted tokens and targets must be made before it."""
-    eight = training_record(tiny_config(*LAYOUT, "parallel.data=2", "parallel.context=2", "parallel.tensor=2",
-                                        "train.micro_batch_size=4"), jax.devices())
-    assert_same_training(eight, one_device)
-    assert "mtp" in one_device["grads"]
+def test_mtp_on_fsdp2_context2_tensor2_equals_one_device(one_device):
+    """fsdp 2 x context 2 x tensor 2: the sequences reach the devices reordered (the context load balance), so
+    the shifted tokens and targets must be made before it."""
+    eight = _record(tiny_config(*LAYOUT, "parallel.data=1", "parallel.fsdp=2", "parallel.context=2",
+                                "parallel.tensor=2", "train.micro_batch_size=2"), jax.devices())
+    _assert_same_as_one_device(eight, one_device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b"])  # gpipe's loss runs the same last-stage callback
 def test_mtp_on_pipeline_stages_equals_one_device(one_device, schedule):
     """stage 2 x data 2 x tensor 2 (the MTP modules on the last stage, after the main layers), 2 micro
-    batches, against one device accumulating the same 2 micro batches."""
-    eight = training_record(tiny_config(*LAYOUT, "parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
-                                        "train.micro_batch_size=2", f"parallel.pipeline_schedule={schedule}"),
-                            jax.devices())
-    assert_same_training(eight, one_device)
+    batches."""
+    eight = _record(tiny_config(*LAYOUT, "parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
+                                "train.micro_batch_size=2", f"parallel.pipeline_schedule={schedule}"), jax.devices())
+    _assert_same_as_one_device(eight, one_device)
 
 
 @pytest.mark.parametrize("override,field", [("model.mtp.num_layers=-1", "model.mtp.num_layers"),
@@ -162,40 +184,6 @@ def test_cli_logs_mtp_loss_and_it_falls(tmp_path):
     mtp = [r["mtp_loss"] for r in rows if "mtp_loss" in r]
     assert len(mtp) == 12, rows[-1]
     assert mtp[-1] < mtp[0], mtp
-
-
-MOE_MTP = (*MTP_SMALL, "model.mtp.num_layers=1", "model.moe.num_experts=4", "model.moe.num_experts_per_token=2",
-           "model.moe.expert_intermediate_size=32", "model.moe.score_func=sigmoid", "model.moe.aux_free_bias=true",
-           "model.moe.bias_update_rate=0.05", "model.moe.aux_loss_coef=0.1", *NONZERO_LR)
-
-
-def _moe_mtp_record(cfg, devices):
-    """:func:`training_record_with_params` with the aux-free biases' gradients (zero: they move by the load)
-    taken out of the compared gradients."""
-    from helpers import training_record_with_params
-
-    record, _ = training_record_with_params(cfg, devices)
-    for tree in (record["grads"]["layers"]["mlp"], record["grads"]["mtp"]["block"]["mlp"]):
-        assert not np.any(tree.pop("expert_bias"))
-    return record
-
-
-@pytest.mark.slow
-def test_moe_mtp_block_on_fsdp2_tensor2_equals_one_device():
-    """An MoE model's MTP block is an MoE block: its router losses reach the gradients, and its aux-free bias
-    moves by its own expert load (not the main layers'), the same on fsdp 2 x tensor 2 x data 2 as on one
-    device (losses, gradients, and every parameter after 3 steps, biases included)."""
-    from helpers import assert_same_params
-
-    one = _moe_mtp_record(tiny_config(*MOE_MTP, "train.micro_batch_size=4"), jax.devices()[:1])
-    # 2 micro batches in both (the load-balancing loss is per micro batch)
-    eight = _moe_mtp_record(tiny_config(*MOE_MTP, "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
-                                        "train.micro_batch_size=1"), jax.devices())
-    assert_same_training(eight, one)
-    assert_same_params(eight["params"], one["params"], rtol=1e-5)
-    bias = one["params"]["mtp"]["block"]["mlp"]["expert_bias"]
-    assert bias.shape == (1, 4) and np.any(bias != 0)
-    assert "router" in one["grads"]["mtp"]["block"]["mlp"]
 
 
 def test_hf_mtp_names_round_trip():
