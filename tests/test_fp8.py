@@ -278,10 +278,16 @@ def _delayed(*overrides):
     return tiny_config(*NONZERO_LR, "model.fp8=delayed", "model.fp8_amax_history=3", *overrides)
 
 
+# 8 devices, 2 accumulation micro batches of one row per data-parallel replica (the resume test's layout too:
+# one compiled program for both tests)
+DELAYED_8 = ("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2", "train.micro_batch_size=1")
+
+
 def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
-    """Per step each history shifts by one with the new amaxes in front; data 2 x fsdp 2 x tensor 2, two
-    accumulation micro batches, and 2 pipeline stages x fsdp 2 under 1f1b (4 micro batches, whose loop keeps
-    the max of their amaxes) record the same global amaxes (a max, not a sum) and train the same:
+    """Per step each history shifts by one with the new amaxes in front; data 2 x fsdp 2 x tensor 2 with two
+    accumulation micro batches (the amaxes a max over shards and over micro batches), and 2 pipeline stages x
+    fsdp 2 under 1f1b (4 micro batches, whose loop keeps the max of their amaxes) record the same global amaxes
+    (a max, not a sum) and train the same as one device:
     equal up to FP8 rounding flips, not to fp32's 1e-5: another layout reassociates fp32 sums (one device vs
     data2 x fsdp2 x tensor2: the first RMSNorm's output differs in 2,538 of 8,192 elements, by <= 4.8e-7), and
     an input within that of an e4m3/e5m2 rounding midpoint moves by a whole FP8 step. Measured on one device:
@@ -308,8 +314,7 @@ def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
         np.testing.assert_array_equal(h[:, 1:], hists[-2][name][:, :-1])  # rolled by one step
         np.testing.assert_array_equal(hists[0][name][:, 1:], 0)
     for layout, overrides, devices in (
-            ("data2-fsdp2-tensor2", ("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), jax.devices()),
-            ("accumulation2", ("parallel.data=1", "train.micro_batch_size=4"), jax.devices()[:1]),
+            ("data2-fsdp2-tensor2-accumulation2", DELAYED_8, jax.devices()),
             ("stage2-fsdp2-1f1b", ("parallel.data=1", "parallel.stage=2", "parallel.fsdp=2",
                                    "train.micro_batch_size=2"), jax.devices()[:4])):
         other_losses, other = run(_delayed(*overrides), devices)
@@ -319,8 +324,9 @@ def test_delayed_histories_roll_and_layouts_and_accumulation_agree():
 
 
 def test_delayed_scaling_resumes_exactly_and_on_another_mesh(tmp_path):
-    """Checkpoint after 2 steps, restore on the same layout and on fsdp 8: the histories come back bit for bit,
-    the same layout continues with bit-identical losses and histories, fsdp 8 with equal ones."""
+    """Checkpoint after 2 steps on data 2 x fsdp 2 x tensor 2 with 2 accumulation micro batches, restore on the
+    same layout and on fsdp 8: the histories come back bit for bit, the same layout continues with
+    bit-identical losses and histories, fsdp 8 with equal ones."""
     from helpers import synthetic_batch
     from jaxtron.checkpoint import Checkpointer
     from jaxtron.train.trainer import Trainer, put_batch
@@ -329,8 +335,8 @@ def test_delayed_scaling_resumes_exactly_and_on_another_mesh(tmp_path):
         return [float(trainer.step(put_batch(synthetic_batch(cfg, s), trainer.batch_sharding))["loss"])
                 for s in seeds]
 
-    cfg = _delayed("parallel.data=2", "parallel.tensor=2")
-    run = Trainer(cfg, jax.devices()[:4])
+    cfg = _delayed(*DELAYED_8)
+    run = Trainer(cfg, jax.devices())
     steps(run, cfg, [0, 1])
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
     ckpt.save(2, run.state, {})
@@ -338,7 +344,7 @@ def test_delayed_scaling_resumes_exactly_and_on_another_mesh(tmp_path):
     saved = _histories(run.state)
     continued = steps(run, cfg, [2, 3])
     final = _histories(run.state)
-    for other, devices, exact in ((cfg, jax.devices()[:4], True),
+    for other, devices, exact in ((cfg, jax.devices(), True),
                                   (_delayed("parallel.data=1", "parallel.fsdp=8"), jax.devices(), False)):
         resumed = Trainer(other, devices)
         resumed.state, _ = ckpt.restore(2, resumed.spec.abstract_state)
