@@ -1,18 +1,21 @@
 """Expert parallelism (parallel.expert > 1, issue 25): the experts split over the ``expert`` mesh axis and the
 tokens sent to them with all-to-all (jaxtron/parallel/expert.py) train exactly as one device's dropless MoE.
 
-On 8 CPU devices, expert 2 (with fsdp 2 x tensor 2: expert weights split over expert, fsdp and tensor at
-once; with 1F1B stages 2 x data 2), expert 4 x data 2 and expert 8, at worst-case
-capacity: losses over 3 steps with a non-zero learning rate, every gradient leaf, the gradient norms and the
-router metrics (aux and z losses, load) to 1e-5 fp32, and nothing dropped. Every run has 2 micro batches (the
-pipeline needs them; the load-balancing loss is per micro batch), so one single-device reference serves all.
-With a small capacity the dropped count and the layer's output equal a direct numpy count and reference. Bad
-configs give one line naming the field.
+On 8 CPU devices, expert 2 x fsdp 2 x tensor 2 with sequence parallelism (expert weights split over expert,
+fsdp and tensor at once, each tensor rank dispatching its half of the sequence; 4 local experts per rank),
+expert 4 x data 2 (2 local experts) and expert 2 with 1F1B stages 2 x data 2, at worst-case capacity: losses
+over 3 steps with a non-zero learning rate, every gradient leaf, the gradient norms and the router metrics (aux
+and z losses, load) to 1e-5 fp32, and nothing dropped. Without expert ranks (data 8) the dispatch's shard_map
+trains the same and runs each device's own tokens only (an eighth of one device's matmul FLOPs). Every run has
+2 micro batches (the pipeline needs them; the load-balancing loss is per micro batch), so one single-device
+reference serves all. With a small capacity the dropped count and the layer's output equal a direct numpy
+count and reference. Bad configs give one line naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -46,29 +49,34 @@ def _record(cfg, devices):
 # worker's next test is in another module (xdist interleaves modules; slow tests run first), and building
 # it again traces and lowers the program again, even where the compile cache has it.
 @pytest.fixture(scope="session")
-def one_device():
-    return _record(tiny_config(*EP_MOE, "parallel.data=1", "train.micro_batch_size=8"), jax.devices()[:1])[0]
+def one_device_run():
+    """(record, trainer) of the single-device reference."""
+    return _record(tiny_config(*EP_MOE, "parallel.data=1", "train.micro_batch_size=8"), jax.devices()[:1])
+
+
+@pytest.fixture(scope="session")
+def one_device(one_device_run):
+    return one_device_run[0]
 
 
 # the micro batch is per data-parallel replica (data x fsdp x expert): 8 sequences per micro batch in all
 DP4, DP8 = "train.micro_batch_size=2", "train.micro_batch_size=1"
 LAYOUTS = {
-    "expert2-fsdp2-tensor2": ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1", DP4),
-    "expert4-data2": ("parallel.expert=4", "parallel.data=2", DP8),
-    "expert8": ("parallel.expert=8", "parallel.data=1", DP8),
-    # the dispatch's shard_map nested in the 1F1B stages' one
-    "expert2-stage2-data2": ("parallel.expert=2", "parallel.stage=2", "parallel.data=2", DP4),
-    # sequence parallel: each tensor rank dispatches its own half of the sequence, experts at full width
+    # expert weights split over fsdp and tensor as the dense MLP's; sequence parallel: each tensor rank
+    # dispatches its own half of the sequence, experts at full width
     "expert2-fsdp2-tensor2-sp": ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1",
                                  "parallel.sequence_parallel=true", DP4),
+    "expert4-data2": ("parallel.expert=4", "parallel.data=2", DP8),
+    # the dispatch's shard_map nested in the 1F1B stages' one
+    "expert2-stage2-data2": ("parallel.expert=2", "parallel.stage=2", "parallel.data=2", DP4),
 }
-# ("parallel.expert=2", "parallel.context=2", "parallel.data=2", DP4), the sequence split over context inside
-# the dispatch, passed the same test in a one-off run; it is left out for CI time (about a minute per layout)
-slow = lambda name: pytest.param(name, marks=pytest.mark.slow)  # noqa: E731
+# Also passed this test in one-off runs, left out for CI time (about a minute per layout): expert 8 (one local
+# expert per rank), expert 2 x fsdp 2 x tensor 2 without sequence parallelism, and expert 2 x context 2 x data 2
+# (the sequence split over context inside the dispatch).
 
 
-@pytest.mark.parametrize("layout", [slow("expert2-fsdp2-tensor2"), slow("expert4-data2"), "expert8",
-                                    slow("expert2-stage2-data2"), "expert2-fsdp2-tensor2-sp"])
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_parallel_equals_one_device(one_device, layout):
     """Worst-case capacity (model.moe.ep_capacity_factor unset): nothing dropped, and the run is one device's
     dropless run: losses, gradient norms, every gradient leaf, aux/z losses and load, relative 1e-5."""
@@ -180,6 +188,16 @@ def _output_and_grads(overrides, ep_dispatch="all_to_all"):
     return jaxpr, np.asarray(y), jax.tree.map(np.asarray, grads)
 
 
+EP4 = ("parallel.expert=4", "parallel.data=2")
+
+
+@functools.cache
+def _whole_dispatch():
+    """_output_and_grads of the plain all_to_all dispatch on expert 4 x data 2: the reference of the dispatch
+    variants below."""
+    return _output_and_grads(EP4)
+
+
 def _assert_same_layer(got, expected):
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-7)
     for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(expected[2]), jax.tree.leaves(got[2])):
@@ -189,10 +207,9 @@ def _assert_same_layer(got, expected):
 def test_pallas_grouped_matmul_runs_on_each_ranks_experts():
     """model.moe.gmm_impl=pallas inside the dispatch (interpreted on CPU) on expert 4 x data 2: the kernel runs
     (gate, up, down) and the layer's output and gradients equal ragged_dot's to 1e-5."""
-    EP4 = ("parallel.expert=4", "parallel.data=2")
     got = _output_and_grads((*EP4, "model.moe.gmm_impl=pallas"))
     assert got[0].count("pallas_call") == 3 and "ragged_dot" not in got[0] and "all_to_all" in got[0]
-    _assert_same_layer(got, _output_and_grads(EP4))
+    _assert_same_layer(got, _whole_dispatch())
 
 
 def test_overlapped_dispatch_equals_the_whole_one():
@@ -201,8 +218,7 @@ def test_overlapped_dispatch_equals_the_whole_one():
     gradients as the whole dispatch."""
     from jaxtron.parallel.expert import OVERLAP_CHUNKS
 
-    EP4 = ("parallel.expert=4", "parallel.data=2")
-    got, whole = _output_and_grads((*EP4, "model.moe.ep_overlap=true")), _output_and_grads(EP4)
+    got, whole = _output_and_grads((*EP4, "model.moe.ep_overlap=true")), _whole_dispatch()
     assert got[0].count("all_to_all") == OVERLAP_CHUNKS * whole[0].count("all_to_all") > 0
     assert "optimization_barrier" not in got[0]
     _assert_same_layer(got, whole)
@@ -288,10 +304,9 @@ def test_ragged_all_to_all_dispatch_equals_the_all_to_all_one(monkeypatch):
         return _emulated_ragged_all_to_all(*args, axis_name=axis_name)
 
     monkeypatch.setattr(expert, "ragged_all_to_all", emulated)
-    EP4 = ("parallel.expert=4", "parallel.data=2")
     got = _output_and_grads(EP4, "ragged_all_to_all")
     assert len(calls) >= 3 and set(calls) == {("expert",)}
-    _assert_same_layer(got, _output_and_grads(EP4))
+    _assert_same_layer(got, _whole_dispatch())
 
 
 def test_a_batch_that_does_not_split_runs_the_plain_dispatch():
@@ -336,22 +351,24 @@ def test_ragged_all_to_all_is_refused_on_cpu():
     assert len(str(err.value).splitlines()) == 1
 
 
-def test_without_expert_parallelism_each_device_runs_only_its_own_tokens():
-    """parallel.expert=1 on data 8: each device sends only its own tokens through the experts (the dispatch's
-    shard_map), so the step's matmul FLOPs per device are an eighth of one device's (GSPMD alone gathered the
-    batch for the dropless sort and ran most of it on every device: 4.9 times the eighth here)."""
+def test_without_expert_parallelism_each_device_runs_only_its_own_tokens(one_device_run):
+    """parallel.expert=1 on data 8 trains as one device, and each device sends only its own tokens through the
+    experts (the dispatch's shard_map), so the step's matmul FLOPs per device are an eighth of one device's
+    (GSPMD alone gathered the batch for the dropless sort and ran most of it on every device: 4.9 times the
+    eighth). The compiled steps are the equality runs' own (the compile cache has them)."""
     from helpers import synthetic_batch
     from jaxtron.plan import hlo_counts
-    from jaxtron.train.trainer import Trainer, put_batch
+    from jaxtron.train.trainer import put_batch
 
-    def flops(overrides, devices):
-        cfg = tiny_config(*EP_MOE, "model.num_layers=2", "train.global_batch_size=8", *overrides)
-        trainer = Trainer(cfg, devices)
-        batch = put_batch(synthetic_batch(cfg, 0), trainer.batch_sharding)
+    def flops(trainer):
+        batch = put_batch(synthetic_batch(trainer.cfg, 0), trainer.batch_sharding)
         return hlo_counts.dot_flops(trainer.train_step.lower(trainer.state, batch).compile().as_text())["total"]
 
-    one, eight = flops(("parallel.data=1",), jax.devices()[:1]), flops(("parallel.data=8",), jax.devices())
-    assert eight == pytest.approx(one / 8, rel=0.02), (one, eight)
+    one, one_trainer = one_device_run
+    eight, eight_trainer = _record(tiny_config(*EP_MOE, "parallel.data=8", DP8), jax.devices())
+    assert_same_training(eight, one)
+    np.testing.assert_allclose(eight["moe"], one["moe"], rtol=1e-5)
+    assert flops(eight_trainer) == pytest.approx(flops(one_trainer) / 8, rel=0.02)
 
 
 def test_start_up_line_says_what_the_exchange_buffers_are():
