@@ -4,15 +4,17 @@
 Compared as tests/test_parallel.py compares a layout with one device (``helpers.assert_same_training``: the
 fp32 gradient leaf by leaf, its norm, and the losses and gradient norms of 3 steps with a non-zero learning
 rate, all to 1e-5 relative), against the unmodified rules on the same mesh. Two meshes with tensor > 1 and
-fsdp > 1: data x fsdp x tensor, and fsdp x context x tensor with sequence parallelism (so the sequence and
-attention names are split where they normally are and can be moved off).
+fsdp > 1: fsdp x context x tensor with sequence parallelism (so the sequence and attention names are split
+where they normally are and can be moved off), every name moved onto each of its axes and to replicated; and
+data x fsdp x tensor, every name moved onto data (the one axis the first mesh lacks).
 
 To stay cheap the moves are grouped: one run moves every parameter name and every activation name onto the
 same target at once; names whose rule already uses the target stay. A group that moves the numbers is run
 again name by name, so the failure names the logical name(s), the target and the mesh. The issue's case, the
-residual stream's hidden dim (``act_embed``) onto ``tensor`` alone, runs on its own: under
-``data x fsdp x tensor`` it hit an XLA SPMD partitioner miscompile (docs/xla_bugs.md) that
-``parallel.sharding.matmul_weight`` works around.
+residual stream's hidden dim (``act_embed``) onto ``tensor`` alone, runs on its own on ``data x fsdp x
+tensor``, where it hit an XLA SPMD partitioner miscompile (docs/xla_bugs.md) that
+``parallel.sharding.matmul_weight`` works around. (The moves onto fsdp, tensor and replicated on data x fsdp x
+tensor, and the residual case on the other mesh, passed too; they are left out for CI time.)
 
 The MoE-only names (``experts``, ``router_experts``, ``dense_layers``) name no axis of the dense tiny model;
 a move of theirs is a no-op here, so they are left to the MoE layout tests.
@@ -99,8 +101,10 @@ def _check(mesh: str, moves: dict, reference: dict) -> None:
                              + f" changes the numbers: {group_error}")
 
 
-# one run per mesh and target (parameters and activations moved together; a failing group is split by name)
-CASES = [(mesh, target) for mesh in MESHES for target in _targets(mesh)]
+# one run per mesh and target (parameters and activations moved together; a failing group is split by name):
+# every target of the mesh with the most axes, and the other mesh's data
+CASES = ([("fsdp2-context2-tensor2-sp", target) for target in _targets("fsdp2-context2-tensor2-sp")]
+         + [("data2-fsdp2-tensor2", "data")])
 
 
 @pytest.mark.parametrize("mesh,target", CASES, ids=[f"{m}-to-{t or 'replicated'}" for m, t in CASES])
@@ -111,11 +115,10 @@ def test_moving_rules_keeps_the_numbers(references, mesh, target):
     _check(mesh, moves, references(mesh))
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_residual_hidden_dim_over_tensor_keeps_the_numbers(references, mesh):
-    """The residual stream's hidden dim split over ``tensor`` (issue 37's case: 3e-4 at step 0 before the
-    workaround for XLA's miscompile)."""
-    _check(mesh, {"act_embed": "tensor"}, references(mesh))
+def test_residual_hidden_dim_over_tensor_keeps_the_numbers(references):
+    """The residual stream's hidden dim split over ``tensor`` on data x fsdp x tensor (issue 37's case: 3e-4 at
+    step 0 before the workaround for XLA's miscompile)."""
+    _check("data2-fsdp2-tensor2", {"act_embed": "tensor"}, references("data2-fsdp2-tensor2"))
 
 
 def test_overrides_are_checked_and_kept_by_the_layout():
