@@ -1,9 +1,10 @@
 """train.cast_params_once: the weights the model casts to bf16 at each use are cast once per step, before the
 gradient-accumulation loop, and the step trains exactly as with the cast at every use in every micro batch
 (losses, gradient norms, every gradient leaf, the parameters after 3 steps with a non-zero learning rate, the
-eval loss), on one device and on fsdp 2 x tensor 2; the leaves the model keeps in fp32 stay fp32; and the
-compiled step casts no weight inside its loops (XLA:CPU promotes bf16 collectives to fp32, so the bf16
-all-gathers are read from the planner's XLA:GPU compile instead, docs/performance.md)."""
+eval loss), on one device and on fsdp 2 x tensor 2; the same compiled steps cast no weight inside their loops,
+where the per-use ones cast each in each micro batch (XLA:CPU promotes bf16 collectives to fp32, so the bf16
+all-gathers are read from the planner's XLA:GPU compile instead, docs/performance.md); and the leaves the model
+keeps in fp32 stay fp32."""
 
 from __future__ import annotations
 
@@ -35,10 +36,13 @@ def _config(once: bool, *overrides: str) -> config_lib.Config:
 
 @functools.cache
 def _record(once: bool, overrides: tuple[str, ...] = (), devices: int = 1) -> dict:
+    """The training record, the eval loss after the steps, and the compiled step's weight casts inside loops
+    (``_weight_casts_in_loops``: the step just run, from the compile cache)."""
     cfg = _config(once, *overrides)
     record, trainer = training_record_with_params(cfg, jax.devices()[:devices])
     batch = put_batch(synthetic_batch(cfg, seed=1), trainer.batch_sharding)
     record["eval_loss_sum"] = float(trainer.eval_step(trainer.state["params"], batch)["loss_sum"])
+    record["weight_casts_in_loops"] = _weight_casts_in_loops(trainer, batch)
     return record
 
 
@@ -53,12 +57,25 @@ def _assert_same(once: dict, per_use: dict) -> None:
         np.testing.assert_array_equal(a, e)
 
 
+def _assert_no_weight_cast_in_a_loop(once: dict, per_use: dict) -> None:
+    """The per-use path casts every layer's weights in every micro batch (2 micro batches x 2 layers); with the
+    cast once, no weight is cast inside a loop (the copy is made once, before the micro-batch loop)."""
+    per_use, once = per_use["weight_casts_in_loops"], once["weight_casts_in_loops"]
+    print(f"fp32 -> bf16 weight casts per step inside the loops: per use {per_use}, cast once {once}")
+    assert per_use >= 2 * 2 * 7, per_use  # 7 weights a layer (wq wk wv wo, gate up down)
+    assert once == 0, once
+
+
 def test_one_device_trains_as_cast_per_use():
-    _assert_same(_record(True), _record(False))
+    once, per_use = _record(True), _record(False)
+    _assert_same(once, per_use)
+    _assert_no_weight_cast_in_a_loop(once, per_use)
 
 
 def test_fsdp_tensor_trains_as_cast_per_use():
-    _assert_same(_record(True, MESH, 4), _record(False, MESH, 4))
+    once, per_use = _record(True, MESH, 4), _record(False, MESH, 4)
+    _assert_same(once, per_use)
+    _assert_no_weight_cast_in_a_loop(once, per_use)
 
 
 def _cast_leaves(monkeypatch, *overrides: str) -> dict:
@@ -90,16 +107,15 @@ def test_the_model_rule_decides_what_is_cast(monkeypatch):
     assert _cast_leaves(monkeypatch, "model.loss_chunk_tokens=16")["['lm_head']"] is None
 
 
-def _weight_casts_in_loops(once: bool) -> int:
-    """Per step, how many times the compiled fsdp 2 x tensor 2 step converts an fp32 array of a weight's local
-    shape (a layer's slice or the whole) to bf16 in the forward inside a loop (the micro batches', the layers'):
-    the per-use casts. The backward's roundings of weight gradients to bf16 are not counted."""
-    program = build_program(_config(once, *MESH), jax.devices()[:4])
+def _weight_casts_in_loops(trainer, batch) -> int:
+    """Per step, how many times the trainer's compiled step converts an fp32 array of a weight's local shape (a
+    layer's slice or the whole) to bf16 in the forward inside a loop (the micro batches', the layers'): the
+    per-use casts. The backward's roundings of weight gradients to bf16 are not counted."""
     shapes = set()
-    for leaf in jax.tree.leaves(program.spec.abstract_state["params"]):
+    for leaf in jax.tree.leaves(trainer.program.spec.abstract_state["params"]):
         local = tuple(leaf.sharding.shard_shape(leaf.shape))
         shapes |= {local, local[1:]}
-    module = parse_module(program.lower_train_step().compile().as_text())
+    module = parse_module(trainer.train_step.lower(trainer.state, batch).compile().as_text())
     runs = module.multipliers()
     count = 0
     for comp, instrs in module.computations.items():
@@ -116,12 +132,3 @@ def _weight_casts_in_loops(once: bool) -> int:
                     and dims in shapes and runs[comp] > 1:
                 count += int(runs[comp])
     return count
-
-
-def test_weights_reach_the_loops_cast():
-    """The per-use path casts every layer's weights in every micro batch (2 micro batches x 2 layers); with the
-    cast once, no weight is cast inside a loop (the copy is made once, before the micro-batch loop)."""
-    per_use, once = _weight_casts_in_loops(False), _weight_casts_in_loops(True)
-    print(f"fp32 -> bf16 weight casts per step inside the loops: per use {per_use}, cast once {once}")
-    assert per_use >= 2 * 2 * 7, per_use  # 7 weights a layer (wq wk wv wo, gate up down)
-    assert once == 0, once
