@@ -48,14 +48,12 @@ def test_moe_chunks_train_as_whole():
     assert_same_training(chunked, _record(DENSE, preset="tiny_moe"))
 
 
-@pytest.mark.parametrize("tied,chunk_tokens", [(False, 8), (True, 12)], ids=["untied-divides", "tied-padded"])
-def test_vocab_sharded_chunks_train_as_one_device(tied, chunk_tokens):
-    """tensor 2 x fsdp 2 on 4 devices (the head split over vocab, gathered over fsdp once per micro batch)
-    against one device without chunks. Chunks are per device: 8 tokens per FSDP rank take 16 of the micro
-    batch's 64 (4 chunks of 4 positions), 12 take 24 (3 chunks of 6 positions, 2 of them padding)."""
-    # untied is the default: the reference is the one the dense and pipeline tests share
-    tie = ("model.tie_embeddings=true",) if tied else ()
-    chunked = _record(DENSE + tie + MESH + (f"model.loss_chunk_tokens={chunk_tokens}",), devices=4)
+def test_vocab_sharded_chunks_train_as_one_device():
+    """tensor 2 x fsdp 2 on 4 devices (the head split over vocab, gathered over fsdp once per micro batch), tied
+    embeddings, against one device without chunks. Chunks are per device: 12 tokens per FSDP rank take 24 of
+    the micro batch's 64 (3 chunks of 6 positions, 2 of them padding)."""
+    tie = ("model.tie_embeddings=true",)
+    chunked = _record(DENSE + tie + MESH + ("model.loss_chunk_tokens=12",), devices=4)
     assert_same_training(chunked, _record(DENSE + tie))
 
 
