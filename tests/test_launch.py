@@ -13,24 +13,22 @@ import sys
 
 import pytest
 
-from helpers import TINY, cpu_xla_flags
+import test_multihost
+from helpers import cpu_xla_flags
 
 from jaxtron import config as config_lib
 
-COMMON = TINY + ["data.max_corpus_bytes=1000000", "data.valid_fraction=0.2", "train.eval_batches=1",
-                 "train.eval_every=0", "logging.log_every=1", "parallel.data=2", "parallel.fsdp=2",
-                 "parallel.tensor=2", "optim.decay_steps=20", "train.steps=8"]
+# test_multihost's runs (one decoder layer, data 2 x fsdp 2 x tensor 2), 8 steps: its uninterrupted 1-process run
+# is the reference here too
+COMMON = test_multihost.COMMON + ["train.steps=8"]
 STEPS, GLOBAL_BATCH = 8, 8
 
 
-def _env(devices=None, **extra):
+def _env(**extra):
     # no persistent compilation cache for multi-process runs (see test_multihost._env)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRON_") and k != "JAX_COMPILATION_CACHE_DIR"}
     env.update(JAX_PLATFORMS="cpu", **extra)
-    if devices:
-        env["XLA_FLAGS"] = cpu_xla_flags(devices)
-    else:
-        env["XLA_FLAGS"] = cpu_xla_flags(1).split(" ", 1)[1]  # the fast-compile flags; the supervisor adds devices
+    env["XLA_FLAGS"] = cpu_xla_flags(1).split(" ", 1)[1]  # the fast-compile flags; the supervisor adds devices
     return env
 
 
@@ -50,13 +48,8 @@ def _close(a: dict, b: dict, rtol: float):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run: one process, the same 8-device mesh."""
-    out = str(tmp_path_factory.mktemp("reference"))
-    env = dict(_env(8), **{k: v for k, v in os.environ.items() if k == "JAX_COMPILATION_CACHE_DIR"})  # 1 process
-    proc = subprocess.run([sys.executable, "-m", "jaxtron.train", *COMMON, f"train.output_dir={out}",
-                           "checkpoint.enabled=false"], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return _losses(out)
+    """The uninterrupted run: one process, the same 8-device mesh (shared with test_multihost.py)."""
+    return test_multihost.reference_losses(tmp_path_factory)
 
 
 def _supervise(out, faults, *launch_args, extra=()):
