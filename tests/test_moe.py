@@ -1,5 +1,7 @@
 """Mixture-of-Experts (issue 24): config validation, routing against a numpy reference, dispatch, the
-aux-loss-free bias, and parallel equality. Small shapes: the file runs in well under a minute on 2 cores."""
+aux-loss-free bias (moved by the train step, checkpointed), the expert loads summed over micro batches, and
+equality with one device on data 2 x fsdp 2 x tensor 2 and through 1F1B and circular pipeline stages (stage 2 x
+data 2 x tensor 2). Expert parallelism: test_expert_parallel.py; an MoE model's MTP block: test_mtp.py."""
 
 from __future__ import annotations
 
@@ -220,31 +222,6 @@ def test_aux_free_bias_moves_toward_balance():
     assert max(imbalance[-5:]) < 0.6 * imbalance[0], imbalance
 
 
-@pytest.mark.slow
-def test_aux_free_bias_is_updated_by_the_train_step_and_checkpointed(tmp_path):
-    from jaxtron.checkpoint import Checkpointer
-    from jaxtron.train.trainer import Trainer, put_batch
-
-    cfg = tiny_config(*MOE, "model.moe.score_func=sigmoid", "model.moe.aux_free_bias=true",
-                      "model.moe.bias_update_rate=0.01", "model.moe.first_dense_layers=1", *NONZERO_LR)
-    run = Trainer(cfg, jax.devices()[:1])
-    get_bias = lambda state: np.asarray(state["params"]["layers"]["mlp"][routing.BIAS_NAME])  # noqa: E731
-    assert not get_bias(run.state).any()
-    for seed in range(2):
-        run.state, metrics = run.train_step(run.state, put_batch(synthetic_batch(cfg, seed), run.batch_sharding))
-    bias = get_bias(run.state)
-    assert bias.shape == (1, 4) and np.abs(bias).max() > 0  # sign updates of 0.01 per step
-    assert metrics["moe_load_max_over_mean"] >= 1.0 and float(metrics["moe_dropped"]) == 0.0
-    ckpt = Checkpointer(str(tmp_path / "ckpt"))
-    ckpt.save(2, run.state, {})
-    ckpt.wait()
-    restored, _ = ckpt.restore(2, run.spec.abstract_state)
-    ckpt.close()
-    np.testing.assert_array_equal(get_bias(restored), bias)  # bit for bit
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                 restored["params"], jax.device_get(run.state["params"]))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Parallel layouts equal one device
 # ---------------------------------------------------------------------------------------------------------------
@@ -398,19 +375,36 @@ def test_flops_count_active_experts_as_megatron(preset):
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_sums_the_expert_load_of_every_micro_batch(one_device):
+def test_gradient_accumulation_sums_the_expert_load_and_the_bias_is_checkpointed(one_device, tmp_path):
     """one_device's 2 micro batches of 4 against the whole batch of 8 in one: the same first-step loss and
     z-loss (per-token means) and the same max/mean expert load, which is only so if the step sums the loads of
-    all micro batches. (The load-balancing loss is computed per micro batch, as Megatron does, so it differs.)"""
+    all micro batches. (The load-balancing loss is computed per micro batch, as Megatron does, so it differs.)
+    The aux-free biases, zero at first, are moved by that step (by the loads, not by gradients); a checkpoint
+    restores them and every other parameter bit for bit."""
+    from jaxtron.checkpoint import Checkpointer
     from jaxtron.train.trainer import Trainer, put_batch
 
     cfg = tiny_config(*PARALLEL_MOE, "parallel.data=1", "train.micro_batch_size=8")
     run = Trainer(cfg, jax.devices()[:1])
+    get_bias = lambda state: np.asarray(state["params"]["layers"]["mlp"][routing.BIAS_NAME])  # noqa: E731
+    assert not get_bias(run.state).any()
     m = run.step(put_batch(synthetic_batch(cfg, 0), run.batch_sharding))
     whole = dict(zip(MOE_METRICS, one_device["moe"][0]))
     assert float(m["loss"]) == pytest.approx(one_device["losses"][0], rel=1e-5)
     assert float(m["moe_z_loss"]) == pytest.approx(whole["moe_z_loss"], rel=1e-5)
     assert float(m["moe_load_max_over_mean"]) == pytest.approx(whole["moe_load_max_over_mean"], rel=1e-6)
+    assert float(m["moe_dropped"]) == 0.0
+
+    bias = get_bias(run.state)
+    assert bias.shape == (4, 4) and np.abs(bias).max() > 0  # a sign update of 0.05, one row per MoE layer
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(1, run.state, {})
+    ckpt.wait()
+    restored, _ = ckpt.restore(1, run.spec.abstract_state)
+    ckpt.close()
+    np.testing.assert_array_equal(get_bias(restored), bias)  # bit for bit
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 restored["params"], jax.device_get(run.state["params"]))
 
 
 def test_gmm_impl_auto_is_the_kernel_on_gpus_and_ragged_dot_elsewhere():
