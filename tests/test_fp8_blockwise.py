@@ -216,8 +216,9 @@ def test_widths_that_split_a_tile_are_config_errors():
 
 def test_fp8_loss_table_script_runs_the_recipes_and_writes_the_table(tmp_path):
     """scripts/fp8_loss_table.py (docs/performance.md's FP8 table) end to end, 2 steps per recipe, on a smaller
-    model and batch than the table's (--override: 2 layers, 2 x 128 tokens, 128 the FP8 tile; compiling
-    dominates) and with conftest's LLVM -O0, but not its 8 forced host devices (the runs are one-device)."""
+    model, batch and corpus than the table's (--override: 1 layer, 2 x 128 tokens, 128 the FP8 tile, 1 MB of
+    text; compiling dominates) and with conftest's LLVM -O0, but not its 8 forced host devices (the runs are
+    one-device)."""
     import os
     import subprocess
     import sys
@@ -229,7 +230,8 @@ def test_fp8_loss_table_script_runs_the_recipes_and_writes_the_table(tmp_path):
     env["XLA_FLAGS"] = FAST_COMPILE
     proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "fp8_loss_table.py"), "--out",
                            str(tmp_path), "--steps", "2", "--eval-batches", "1", "--recipes", "none", "blockwise",
-                           "--override", "model.num_layers=2", "data.seq_len=128", "train.global_batch_size=2"],
+                           "--override", "model.num_layers=1", "data.seq_len=128", "train.global_batch_size=2",
+                           "data.max_corpus_bytes=1000000", "data.valid_fraction=0.2"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| bfloat16")]
