@@ -1,7 +1,7 @@
 """Compile with the real XLA:GPU compiler for an H100 (no GPU needed): the Pallas kernels forward and backward
 at Llama-3-8B shapes (bf16; the grouped matmul at a Mixtral-like expert shape), and jaxtron's train step with
-every Triton kernel on 2 GPUs (FSDP), and an MoE step with the grouped matmul and the Mosaic attention kernels. Run as a script in
-a fresh process (the test suite pins JAX to the CPU); prints one JSON line."""
+every Triton kernel on 2 GPUs (FSDP), and an MoE step with the grouped matmul and the Mosaic attention kernels.
+Run as a script in a fresh process (the test suite pins JAX to the CPU); prints one JSON line."""
 
 import json
 import os
