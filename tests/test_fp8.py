@@ -468,13 +468,14 @@ def test_fp8_moe_trains_close_to_full_precision():
 
 @needs_xla_gpu
 def test_xla_gpu_routed_experts_run_in_fp8():
-    """The MoE test config (4 experts, top-2, data 2 x fsdp 2 x tensor 2) compiled for 8 H100s with
-    model.fp8=current and gmm_impl=ragged_dot (auto takes the Pallas kernel, which has no FP8): every dot under
-    the routed experts' scope has FP8 operands (forward, dgrad and wgrad of ragged_dot's lowering)."""
+    """The MoE test config (4 experts, top-2, data 2 x fsdp 2 x tensor 2), its dense first layer left out (one
+    layer body to compile: 2 MoE layers), compiled for 8 H100s with model.fp8=current and gmm_impl=ragged_dot
+    (auto takes the Pallas kernel, which has no FP8): every dot under the routed experts' scope has FP8 operands
+    (forward, dgrad and wgrad of ragged_dot's lowering)."""
     from test_plan import MOE, MOE_LAYOUT
 
-    r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, *MOE_LAYOUT, "model.fp8=current",
-             "model.moe.gmm_impl=ragged_dot")
+    r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, "model.num_layers=2", "model.moe.first_dense_layers=0",
+             *MOE_LAYOUT, "model.fp8=current", "model.moe.gmm_impl=ragged_dot")
     experts = r["dots_moe_experts"]
     assert experts and all("f8" in k for k in experts), experts
     assert {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"} <= set(experts), experts
