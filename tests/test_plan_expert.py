@@ -1,7 +1,8 @@
 """The planner with expert parallelism (issue 25): the closed forms of jaxtron/plan/moe.py for the expert-parallel
 dispatch (state split over ``expert``, the masked expert matmuls on the exchange buffers, the all-to-all bytes)
 against a compiled step's own numbers, ``--search`` trying the expert axis, and the ``ragged_all_to_all``
-dispatch compiled by XLA:GPU for H100s (it cannot run on XLA:CPU)."""
+dispatch compiled by XLA:GPU for H100s (it cannot run on XLA:CPU) with the Pallas grouped matmul, whose kernels
+the step model times as GEMMs."""
 
 import pytest
 
@@ -88,13 +89,22 @@ def test_closed_form_ranks_expert_parallelism_first_for_qwen3_30b_a3b():
 @needs_xla_gpu
 def test_xla_gpu_compiles_the_ragged_all_to_all_dispatch_with_the_pallas_grouped_matmul():
     """ep_dispatch=ragged_all_to_all and gmm_impl=pallas in the whole train step, lowered for cuda and
-    compiled for 8 H100s: the exchanges are ragged all-to-alls and the expert matmuls Triton calls."""
+    compiled for 8 H100s: the exchanges are ragged all-to-alls and the expert matmuls Triton calls, which the step
+    model times as GEMMs of their operands' shapes (forward gmm, dgrad gmm_t, wgrad tgmm: 2 x rows x K x N each;
+    gate, up and down of the 2 MoE layers, 3 calls each)."""
     r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, "parallel.expert=4", "parallel.data=2",
              "model.moe.ep_dispatch=ragged_all_to_all", "model.moe.gmm_impl=pallas")
     assert r["compiler"] == "XLA:GPU" and r["memory"]["fits"] and r["mesh"]["expert"] == 4
     ragged = r["collectives"]["ragged-all-to-all"]
     assert ragged["ops"] >= 3, r["collectives"]  # rows, slot ids and results forward; their transposes
     assert r["moe"]["expert_matmul_flops_per_device"]["as_compiled_hlo"] == 0  # custom calls, not HLO dots
+    sm = r["step_model"]
+    kernels = {k: v for k, v in sm["gemm_top_shapes"].items() if k.startswith("kernel")}
+    assert {k.split()[1] for k in kernels} >= {"gmm", "tgmm"}, sm["gemm_top_shapes"]
+    rows, n, k = (int(x) for x in next(key for key in kernels if key.split()[1] == "gmm").split()[2].split("x"))
+    d, f = 64, 32  # MOE's hidden size and expert width
+    assert {n, k} == {d, f}
+    assert sm["gemm"]["kernel_flops"] == pytest.approx(2 * 3 * 3 * 2.0 * rows * d * f)
     # ...so the roofline runs the kernel's active FLOPs (the closed form), as under --moe-gemm grouped
     cfg = config_lib.load(None, MOE + ["parallel.expert=4", "parallel.data=2"])
     grouped = pm.hardware_flops_per_device(cfg, Layout.planned(cfg, 8), "grouped")
