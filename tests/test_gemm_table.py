@@ -1,6 +1,7 @@
 """The planner's measured GEMM table: scripts/gemm_table.py measures and writes one (its small-shape CPU path
 here), jaxtron/plan/gemm.py times a measured shape at its measurement and moves other shapes from the nearest
-measured one by the model's tile, wave and depth factors, and a bad table is a one-line error."""
+measured one by the model's tile, wave and depth factors (the step model of a committed XLA:GPU module planned
+with a table), and a bad table is a one-line error."""
 
 import json
 import math
@@ -13,7 +14,6 @@ import pytest
 from helpers import cpu_xla_flags
 from jaxtron.plan import get_gpu
 from jaxtron.plan.gemm import GemmModel, gemm_time, load_table
-from test_plan import SMALL, _cli, _cli_and_module, needs_xla_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = get_gpu("h100")
@@ -79,20 +79,27 @@ def test_a_bad_table_is_a_one_line_error_naming_it(tmp_path, content, says):
         assert lines[-1].startswith(f"error: --gemm-table: cannot read {bad}") and "Traceback" not in proc.stderr
 
 
-@needs_xla_gpu
-def test_the_step_model_takes_the_table_for_the_gemms_it_covers(tmp_path):
-    """One H100, SMALL: with a table of one bf16 point at 100 TFLOP/s every GEMM is timed from it (efficiency
-    100/989 at that shape, moved by the shape factors) and the GEMM time grows accordingly (the compiled module
-    planned again with the table: the table changes the arithmetic, not the program)."""
+def test_the_step_model_takes_the_table_for_the_gemms_it_covers(tmp_path, capsys):
+    """The committed XLA:GPU module of the tiny model on 2 H100s (tests/test_plan_hlo.py) planned with and without
+    a table of one bf16 point at 100 TFLOP/s: with it every GEMM is timed from that point (efficiency 100/989 at
+    that shape, moved by the shape factors) and the GEMM time grows accordingly (the table changes the
+    arithmetic, not the program)."""
+    from jaxtron.plan.__main__ import main
+    from test_plan_hlo import HLO, MEMORY, TINY_FSDP2
+
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"entries": [{"m": 2048, "n": 1024, "k": 256, "dtype": "bf16", "tflops": 100.0}]}))
-    args = ("--gpu", "h100", "--num-gpus", "1", *SMALL, "parallel.fsdp=1", "parallel.data=1")
-    base, module = _cli_and_module(*args)
-    base, measured = base["step_model"], _cli("--hlo", module, "--gemm-table", str(table), *args)["step_model"]
+
+    def step_model(*extra):
+        assert main(["--hlo", HLO, "--memory-json", MEMORY, "--gpu", "h100", "--num-gpus", "2", "--json",
+                     *TINY_FSDP2, *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step_model"]
+
+    base, measured = step_model(), step_model("--gemm-table", str(table))
     assert {s["source"] for s in measured["gemm_top_shapes"].values()} == {"table"}
     assert {s["source"] for s in base["gemm_top_shapes"].values()} == {"model"}
     assert measured["constants"]["table_points"] == 1 and measured["constants"]["table_source"] == str(table)
-    assert base["gemm"]["count"] == measured["gemm"]["count"]
+    assert base["gemm"]["count"] == measured["gemm"]["count"] > 0
     # the model's own efficiency at that shape against the measured 100/989: the GEMMs slow by about that ratio
     model_eff = _time(2048, 1024, 256, GemmModel())["efficiency"]
     assert measured["gemm_s"] > base["gemm_s"] * 0.5 * model_eff / (100 / 989)
