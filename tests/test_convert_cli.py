@@ -2,7 +2,7 @@
 
 One tiny random Llama (vocab 256 so the byte-level built-in corpus can train it; d=64, 2 layers, GQA) with
 weights at std 0.1, so that logits are O(1) and weights that were not carried over cannot pass. The CLIs run
-as subprocesses, as a user runs them.
+as subprocesses, as a user runs them; the error cases call the CLI's main() in this process.
 """
 
 from __future__ import annotations
@@ -154,32 +154,37 @@ def test_finetune_from_imported_weights_then_export(hf_model, imported, tmp_path
     np.testing.assert_allclose(_hf_logits(_load_hf(out)), _hf_logits(hf_model[1]), atol=1e-5, rtol=0)
 
 
-def _assert_one_error_line(proc: subprocess.CompletedProcess, path: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
+def _assert_one_error_line(args: list[str], path: str, capsys) -> None:
+    """``python -m jaxtron.convert ARGS`` fails with exit status 2 and one ``error:`` line naming ``path``. In
+    this process: main() is what the module runs (an exception would fail the test), without a Python start-up
+    per case."""
+    from jaxtron.convert.__main__ import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
     assert path in errors[0], errors[0]
 
 
-def test_import_hf_missing_dir(tmp_path):
+def test_import_hf_missing_dir(tmp_path, capsys):
     missing = str(tmp_path / "no_such_hf")
-    _assert_one_error_line(_run(["import-hf", "--hf-dir", missing, "--out", str(tmp_path / "ck")]), missing)
+    _assert_one_error_line(["import-hf", "--hf-dir", missing, "--out", str(tmp_path / "ck")], missing, capsys)
     assert not os.path.exists(tmp_path / "ck")
 
 
-def test_export_hf_empty_checkpoint_dir(tmp_path):
+def test_export_hf_empty_checkpoint_dir(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    _assert_one_error_line(_run(["export-hf", "--checkpoint", str(empty), "--out", str(tmp_path / "o")]),
-                           str(empty))
+    _assert_one_error_line(["export-hf", "--checkpoint", str(empty), "--out", str(tmp_path / "o")], str(empty),
+                           capsys)
 
 
-def test_export_hf_corrupt_checkpoint(imported, tmp_path):
+def test_export_hf_corrupt_checkpoint(imported, tmp_path, capsys):
     broken = str(tmp_path / "broken")
     shutil.copytree(imported, broken)
     victim = sorted(glob.glob(os.path.join(broken, "0", "params", "*.bin")))[0]
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
-    proc = _run(["export-hf", "--checkpoint", broken, "--out", str(tmp_path / "o")])
-    _assert_one_error_line(proc, victim)
+    _assert_one_error_line(["export-hf", "--checkpoint", broken, "--out", str(tmp_path / "o")], victim, capsys)
