@@ -31,9 +31,11 @@ def _steps(run, batches):
     return losses
 
 
+# the fsdp=8 checkpoint onto FSDP shards of another size with tensor-parallel splits (and sequence parallelism),
+# and onto one device
 LAYOUTS = {
-    "data2-fsdp2-tensor2": (("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"), 8),
-    "tensor4-seqpar": (("parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"), 8),
+    "fsdp2-tensor4-seqpar": (("parallel.data=1", "parallel.fsdp=2", "parallel.tensor=4",
+                              "parallel.sequence_parallel=true"), 8),
     "one-device": (("parallel.data=1",), 1),
 }
 
