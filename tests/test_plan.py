@@ -230,6 +230,17 @@ def test_roofline_is_sane():
 
 _CLI_RESULTS = {}
 
+# XLA:GPU's kernel cache, one file for the run (beside the persistent compile cache the conftest made, which the
+# xdist workers share): a kernel compiled before, fingerprinted by its fused computation and arguments, is
+# taken from it instead of being emitted and assembled (ptxas) again. Most of a small model's cross-compile is
+# that, and many of these tests compile a layout twice with a switch that leaves most kernels alone (async
+# collectives, the reduce-scatter combiner, the attention kernel). XLA writes the file atomically; the HLO and
+# the memory analysis, all the planner reads, come before it.
+KERNEL_CACHE = os.path.join(os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.gettempdir(),
+                            f"xla-gpu-kernels-jax-{jax.__version__}.pb")
+KERNEL_CACHE_FLAGS = (f"--xla_gpu_kernel_cache_file={KERNEL_CACHE} "
+                      "--xla_gpu_enable_llvm_module_compilation_parallelism=true")
+
 
 def _cli(*args, timeout=400, xla_flags=""):
     """The planner's JSON for ``args``; a command line run before in this process (another test's, the same
@@ -240,7 +251,7 @@ def _cli(*args, timeout=400, xla_flags=""):
         # constructed with a Client to call DeserializeLoadedExecutable")
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
         # the memory analysis and the HLO do not depend on LLVM's optimization
-        env["XLA_FLAGS"] = f"{FAST_COMPILE} {xla_flags}"
+        env["XLA_FLAGS"] = f"{FAST_COMPILE} {KERNEL_CACHE_FLAGS} {xla_flags}"
         proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", "--json", *args], capture_output=True,
                               text=True, timeout=timeout, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-4000:]
