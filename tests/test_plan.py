@@ -161,9 +161,9 @@ def test_search_tries_context_parallelism_for_long_sequences():
 
 def test_search_never_recommends_a_layout_that_does_not_fit():
     cfg = _cfg("model.num_layers=2")
-    gpu = get_gpu("h100").replace(memory_bytes=32 * 2**20, mem_fraction=1.0)
-    out = search(cfg, gpu, 8, devices=jax.devices()[:8], max_compiles=3, top=2)  # 1 and 2 stages' best, one more
-    assert out["top"], out
+    gpu = get_gpu("h100").replace(memory_bytes=40 * 2**20, mem_fraction=1.0)
+    out = search(cfg, gpu, 8, devices=jax.devices()[:8], max_compiles=2, top=2)  # 1 and 2 stages' best
+    assert len(out["top"]) == 2, out  # (their compiled peaks: 35 and 33 MiB)
     assert out["pruned_by_estimate"] + len(out["not_fitting_or_failed"]) > 0  # some layouts do not fit
     for r in out["top"]:
         assert r["memory"]["fits"] and r["memory"]["peak"] <= gpu.usable_bytes
