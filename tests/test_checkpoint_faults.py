@@ -1,9 +1,10 @@
 """Fault tolerance of real ``python -m jaxtron.train`` processes: SIGKILL in the middle of an asynchronous save,
-SIGTERM (save and exit cleanly), and an unreadable newest checkpoint. After each, the restarted run's losses
-equal an uninterrupted run's, bit for bit."""
+SIGTERM (save and exit cleanly), and an unreadable newest checkpoint, one after the other in one run, each
+followed by a restart. The restarted runs' losses equal an uninterrupted run's, bit for bit."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,7 +60,17 @@ def _wait_for(predicate, proc, timeout=240):
         time.sleep(0.01)
 
 
-def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, reference):
+def _rows(out) -> int:
+    path = os.path.join(out, "metrics.jsonl")
+    return len(open(path).read().splitlines()) if os.path.exists(path) else 0
+
+
+def test_sigkill_during_async_save_then_sigterm_then_a_damaged_checkpoint(tmp_path, reference):
+    """One run through three faults, each followed by a restart: SIGKILL while the step-4 save is in flight
+    (step 2's checkpoint is kept, the partial one cleaned up), SIGTERM to the restarted run (it saves and exits
+    0), a truncated newest checkpoint (one error line; checkpoint.fallback=true resumes from the one before).
+    The losses end equal to the uninterrupted run's, bit for bit, after the SIGTERM's restart and again after
+    the fallback's."""
     out = str(tmp_path / "run")
     ckpt = os.path.join(out, "checkpoints")
     # every shard file write is slowed down, so the step-4 save is certainly in flight when we kill
@@ -77,12 +88,32 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, reference
     assert proc.returncode == -signal.SIGKILL
     assert "4" not in os.listdir(ckpt) and os.path.isdir(os.path.join(ckpt, "2", "params"))
 
+    # the restart resumes from step 2; every step from there sleeps 0.5 s (JAXTRON_FAULTS), so the SIGTERM sent
+    # once it has logged a step lands seconds before the last step
+    rows = _rows(out)
+    proc = subprocess.Popen(_cmd(out, "checkpoint.every_steps=2"), env={**ENV, "JAXTRON_FAULTS": "sleep=0.5@step=2"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _rows(out) > rows, proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "(step 2)" in stderr and "resumed from" in stderr
+    stopped = re.search(rf"^stopped by SIGTERM at step (\d+) of {STEPS}; the next start resumes from there$", stdout,
+                        re.M)
+    assert stopped and 2 < int(stopped[1]) < STEPS, stdout
+    saved = int(stopped[1])
+    assert not [d for d in os.listdir(ckpt) if not d.isdigit()]  # the partial save was cleaned up
+    assert str(saved) in os.listdir(ckpt)
+
     proc = _run(out, "checkpoint.every_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(step 2)" in proc.stderr and "resumed from" in proc.stderr
-    assert not [d for d in os.listdir(ckpt) if not d.isdigit()]  # the partial save was cleaned up
+    assert f"(step {saved})" in proc.stderr
     assert sorted(int(d) for d in os.listdir(ckpt)) == [STEPS - 2, STEPS]
-    assert _losses(out) == reference  # steps 3.. recomputed after the restart, bit for bit
+    assert _losses(out) == reference  # the steps after each restart recomputed, bit for bit
 
     # the newest checkpoint is damaged: a start (even of the finished run: it reads its newest checkpoint) stops
     # with one error line naming file, step, what is wrong and the way out; told to fall back, it resumes from
@@ -100,27 +131,4 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, reference
     proc = _run(out, "checkpoint.fallback=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"(step {STEPS - 2})" in proc.stderr
-    assert _losses(out) == reference
-
-
-def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, reference):
-    out = str(tmp_path / "run")
-    # every step from step 2 on sleeps 0.5 s (JAXTRON_FAULTS), so the SIGTERM sent after step 2 lands seconds
-    # before the last step
-    proc = subprocess.Popen(_cmd(out), env={**ENV, "JAXTRON_FAULTS": "sleep=0.5@step=2"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(lambda: len(_losses(out)) >= 2, proc)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "stopped by SIGTERM" in stdout
-    steps = [int(d) for d in os.listdir(os.path.join(out, "checkpoints"))]
-    assert len(steps) == 1 and 2 <= steps[0] < STEPS
-    proc = _run(out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"(step {steps[0]})" in proc.stderr
     assert _losses(out) == reference
