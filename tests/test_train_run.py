@@ -84,17 +84,19 @@ def test_packed_documents_do_not_attend_across(tmp_path):
     from jaxtron.model.llama import Llama
 
     cfg = tiny_config()
-    model = Llama(cfg.model, rngs=nnx.Rngs(0))
+    # jitted: one compile for the init and one per sequence length, not one per operation
+    model = nnx.jit(lambda: Llama(cfg.model, rngs=nnx.Rngs(0)))()
+    forward = nnx.jit(lambda m, *args: m(*args))
     rng = np.random.default_rng(0)
     doc_a, doc_b, doc_c = (rng.integers(1, 256, size=n) for n in (5, 7, 5))
     seq1 = np.concatenate([doc_a, doc_b])[None]
     seq2 = np.concatenate([doc_c, doc_b])[None]
     seg = np.array([[1] * 5 + [2] * 7])
     pos = np.array([list(range(5)) + list(range(7))])
-    out1 = model(jnp.asarray(seq1), jnp.asarray(pos), jnp.asarray(seg))
-    out2 = model(jnp.asarray(seq2), jnp.asarray(pos), jnp.asarray(seg))
+    out1 = forward(model, jnp.asarray(seq1), jnp.asarray(pos), jnp.asarray(seg))
+    out2 = forward(model, jnp.asarray(seq2), jnp.asarray(pos), jnp.asarray(seg))
     np.testing.assert_allclose(np.asarray(out1[0, 5:]), np.asarray(out2[0, 5:]), rtol=1e-5, atol=1e-5)
-    alone = model(jnp.asarray(doc_b[None]))
+    alone = forward(model, jnp.asarray(doc_b[None]))
     np.testing.assert_allclose(np.asarray(out1[0, 5:]), np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(out1[0, :5]), np.asarray(out2[0, :5]))
 
