@@ -413,14 +413,6 @@ def test_moe_gemm_must_be_known():
         plan(_cfg(), get_gpu("h100"), 8, devices=jax.devices()[:8], moe_gemm="dense")
 
 
-@needs_xla_gpu
-def test_xla_gpu_lowers_ragged_dot_to_a_masked_dense_matmul():
-    r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, *MOE_LAYOUT, "model.moe.gmm_impl=ragged_dot")
-    assert r["compiler"] == "XLA:GPU" and r["params"]["total"] == _moe_by_hand()[0]
-    flops = r["moe"]["expert_matmul_flops_per_device"]
-    assert flops["as_compiled_hlo"] == pytest.approx(4 * flops["grouped"], rel=0.01)  # E x, the device's own rows
-
-
 MIXTRAL_EP = ["parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=4", "parallel.data=1",
               "parallel.sequence_parallel=true", "model.moe.ep_capacity_factor=1.25", "model.remat=save_dots",
               "train.micro_batch_size=1"]

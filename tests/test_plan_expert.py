@@ -11,7 +11,7 @@ from jaxtron.parallel.layout import Layout
 from jaxtron.plan import candidate_configs, get_gpu
 from jaxtron.plan import model as pm
 from jaxtron.plan import moe as pmoe
-from test_plan import MOE, _cli, needs_xla_gpu
+from test_plan import MOE, _cli, _moe_by_hand, needs_xla_gpu
 
 # ragged_dot, whose masked dense matmuls the HLO counts (gmm_impl=auto would take the Pallas kernel for GPUs)
 EP = ("parallel.expert=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.data=1", "model.moe.ep_overlap=true",
@@ -23,10 +23,12 @@ def test_expert_parallel_plan_matches_its_closed_forms():
     """expert 2 x fsdp 2 x tensor 2 compiled for 8 H100s (4 experts, 2 per rank, top-2, 16 x 32 tokens, bf16),
     with the overlapped dispatch: the compiled state, the expert matmul FLOPs counted in the HLO and the
     all-to-all bytes equal the closed forms the search ranks with (XLA:CPU would exchange the bf16 rows as
-    fp32: twice the bytes), and XLA's schedule runs expert matmuls during some of the exchanges."""
+    fp32: twice the bytes), and XLA's schedule runs expert matmuls during some of the exchanges. XLA:GPU lowers
+    ragged_dot to dense matmuls masked per expert, as XLA:CPU does (test_plan.py's dropless case)."""
     cfg = config_lib.load(None, MOE + list(EP))
     layout = Layout.planned(cfg, 8)
     r = _cli("--gpu", "h100", "--num-gpus", "8", *MOE, *EP)
+    assert r["compiler"] == "XLA:GPU" and r["params"]["total"] == _moe_by_hand()[0]
     assert r["mesh"]["expert"] == 2 and "parallel.expert=2" in r["overrides"]
     state = pm.closed_form_state_bytes(cfg, layout)
     # the routed experts split over expert x fsdp x tensor, the rest over fsdp x tensor (norms and the router's
@@ -37,8 +39,12 @@ def test_expert_parallel_plan_matches_its_closed_forms():
     # each device keeps its 4 x 32 tokens and receives EP x C = 2 x 256 rows (worst case: C = t x min(k, 2)),
     # in two halves of 2 x 128
     assert pmoe.dispatch_rows(cfg, layout) == 2 * 256
-    executed = r["moe"]["expert_matmul_flops_per_device"]["as_compiled_hlo"]
+    flops = r["moe"]["expert_matmul_flops_per_device"]
+    executed = flops["as_compiled_hlo"]
     assert executed == pytest.approx(pmoe.expert_flops_per_device(cfg, layout, "as_compiled"), rel=0.01)
+    # masked dense: each device multiplies the 2 x 256 rows it receives by both its experts (at half their width:
+    # tensor 2), 4 x the active rows' FLOPs spread over the 8 devices
+    assert executed == pytest.approx(4 * flops["grouped"], rel=0.01)
     a2a = r["collectives"]["all-to-all"]
     # the rows' exchanges; the slot ids and the counts (int32, one per row) add 1/32 of that
     assert pmoe.exchange_bytes(cfg, layout) <= a2a["wire_bytes"] <= 1.04 * pmoe.exchange_bytes(cfg, layout)
