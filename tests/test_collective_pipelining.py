@@ -1,7 +1,8 @@
-"""parallel.collective_pipelining and parallel.split_reduce_scatters: XLA:GPU's collective pipeliner and
-reduce-scatter combiner options go to jax.jit with the train step, so the trainer and the planner compile the
-same program. On by default for XLA:GPU compiles of FSDP layouts across
-nodes, never passed to XLA:CPU; on an XLA:GPU compile the replay of the schedule shows the pipelined gathers and
+"""parallel.collective_pipelining, parallel.split_reduce_scatters and train.uninitialized_scan_outputs: XLA:GPU's
+collective pipeliner, reduce-scatter combiner and scan-output zero-fill options go to jax.jit with the train step,
+so the trainer and the planner compile the same program. The first on by default for XLA:GPU compiles of FSDP
+layouts across nodes, the second for FSDP layouts without stages, the third for every XLA:GPU compile; never
+passed to XLA:CPU; on an XLA:GPU compile the replay of the schedule shows the pipelined gathers and
 reduce-scatters hidden under compute."""
 
 import jax
@@ -13,8 +14,8 @@ from jaxtron.train.xla_options import compiler_options
 from test_plan import SMALL, _cli, needs_xla_gpu
 
 
-def test_the_options_are_asked_for_only_on_gpu_fsdp_layouts():
-    """On by default, but only for GPUs with weights sharded over fsdp: a CPU compile gets no xla_gpu_* option."""
+def test_the_options_are_asked_for_only_on_gpu():
+    """On by default, but only for GPUs: a CPU compile gets no xla_gpu_* option."""
     cfg = tiny_config("parallel.data=1", "parallel.fsdp=8")
     assert cfg.parallel.collective_pipelining
     assert compiler_options(cfg, Layout.build(cfg, jax.devices())) is None  # XLA:CPU
@@ -25,21 +26,27 @@ def test_the_options_are_asked_for_only_on_gpu_fsdp_layouts():
 def test_the_pipeliner_is_asked_for_only_across_nodes_and_split_reduce_scatters_only_without_stages():
     """XLA:GPU devices of one node (8 H100s) get no pipeliner, those of two nodes do; both get the reduce-scatter
     combiner off (parallel.split_reduce_scatters) unless the layout has pipeline stages, the model MoE layers or
-    the switch is off."""
+    the switch is off. Every layout, data parallel alone too, gets the scan's outputs uninitialized unless
+    train.uninitialized_scan_outputs is off."""
     from jaxtron.plan import get_gpu, target_devices
-    from jaxtron.train.xla_options import SPLIT_REDUCE_SCATTERS, pipelined_collectives
+    from jaxtron.train.xla_options import SPLIT_REDUCE_SCATTERS, UNINITIALIZED_SCAN_OUTPUTS, pipelined_collectives
 
-    for gpus, stage, split, want in ((8, 1, True, SPLIT_REDUCE_SCATTERS),
-                                     (16, 1, True, {**pipelined_collectives(), **SPLIT_REDUCE_SCATTERS}),
-                                     (16, 2, True, pipelined_collectives()),
-                                     (8, 1, False, None), (8, 1, "moe", None)):
+    both = {**UNINITIALIZED_SCAN_OUTPUTS, **SPLIT_REDUCE_SCATTERS}
+    for gpus, stage, fsdp, split, uninit, want in (
+            (8, 1, 8, True, True, both),
+            (16, 1, 16, True, True, {**pipelined_collectives(), **both}),
+            (16, 2, 8, True, True, {**UNINITIALIZED_SCAN_OUTPUTS, **pipelined_collectives()}),
+            (8, 1, 8, False, True, UNINITIALIZED_SCAN_OUTPUTS), (8, 1, 8, "moe", True, UNINITIALIZED_SCAN_OUTPUTS),
+            (8, 1, 1, True, True, UNINITIALIZED_SCAN_OUTPUTS), (8, 1, 8, True, False, SPLIT_REDUCE_SCATTERS),
+            (8, 1, 1, True, False, None)):
         devices, backend, _ = target_devices(get_gpu("h100"), gpus)
         moe = ("model.moe.num_experts=4", "model.moe.num_experts_per_token=2") if split == "moe" else ()
-        cfg = tiny_config("parallel.data=1", f"parallel.fsdp={gpus // stage}", f"parallel.stage={stage}",
-                          f"train.global_batch_size={gpus}", f"parallel.split_reduce_scatters={split != False}",
-                          *moe)
+        cfg = tiny_config(f"parallel.data={gpus // stage // fsdp}", f"parallel.fsdp={fsdp}",
+                          f"parallel.stage={stage}", f"train.global_batch_size={gpus}",
+                          f"parallel.split_reduce_scatters={split != False}",
+                          f"train.uninitialized_scan_outputs={uninit}", *moe)
         assert backend == "gpu"
-        assert compiler_options(cfg, Layout.build(cfg, devices)) == want, (gpus, stage, split)
+        assert compiler_options(cfg, Layout.build(cfg, devices)) == want, (gpus, stage, fsdp, split, uninit)
 
 
 @needs_xla_gpu

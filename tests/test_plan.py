@@ -288,15 +288,21 @@ def test_xla_gpu_fsdp_collectives_and_memory():
     assert c["reduce-scatter"]["result_bytes"] * 8 + c["all-reduce"]["result_bytes"] == pytest.approx(2 * n, rel=0.1)
     assert r["memory"]["params"] == pytest.approx(4 * n / 8, rel=0.01)
     # parallel.split_reduce_scatters (on by default here): one reduce-scatter per weight gradient instead of
-    # XLA's merged ones; the same bytes
+    # XLA's merged ones; the same bytes. The other compile turns train.uninitialized_scan_outputs off too.
     merged = _cli("--gpu", "h100", "--num-gpus", "8", *SMALL, "parallel.data=1", "parallel.fsdp=8",
-                  "parallel.tensor=1", "model.remat=none", "parallel.split_reduce_scatters=false")
+                  "parallel.tensor=1", "model.remat=none", "parallel.split_reduce_scatters=false",
+                  "train.uninitialized_scan_outputs=false")
     m = merged["collectives"]["reduce-scatter"]
     # the layer loop's 7 projections, the embedding and the LM head; merged: 2 (the loop's 7 in one, the
     # embedding's and the head's, both bf16, in the other)
     assert (c["reduce-scatter"]["ops"], m["ops"]) == (9, 2)
     assert m["result_bytes"] == c["reduce-scatter"]["result_bytes"]
-    assert merged["overrides"].endswith("parallel.split_reduce_scatters=false")
+    assert merged["overrides"].endswith("parallel.split_reduce_scatters=false train.uninitialized_scan_outputs=false")
+    # train.uninitialized_scan_outputs (on by default): the layer scan's residual stacks (remat none: every
+    # activation the backward reads) are XLA AllocateBuffers, not zero-filled broadcasts (the step model counts
+    # both as a write of the buffer, so the memory-bound bytes do not tell them apart here)
+    assert r["step_model"]["custom_calls"].get("AllocateBuffer", 0) > 0
+    assert merged["step_model"]["custom_calls"].get("AllocateBuffer", 0) == 0
 
 
 @needs_xla_gpu

@@ -64,7 +64,8 @@ def layout_overrides(cfg: Config) -> str:
             f"parallel.context_impl={p.context_impl} parallel.tensor={p.tensor} parallel.stage={p.stage} {pp}"
             f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
             f"model.remat={m.remat}" + ("" if p.collective_pipelining else " parallel.collective_pipelining=false")
-            + ("" if p.split_reduce_scatters else " parallel.split_reduce_scatters=false"))
+            + ("" if p.split_reduce_scatters else " parallel.split_reduce_scatters=false")
+            + ("" if t.uninitialized_scan_outputs else " train.uninitialized_scan_outputs=false"))
 
 
 def memory_report(mem, spec, gpu: GpuSpec, backend: str) -> dict:
