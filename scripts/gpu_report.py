@@ -10,8 +10,9 @@ budget (``--budget`` seconds, default 480), runs the parts still to do in order 
 and report.md as each part ends, and stops when the budget is spent; the next call with the same ``--out``
 continues where the last stopped (``--fresh`` starts over). A part cut short by the budget runs again next
 call; one that failed or hit its own ``--timeout`` is recorded and not retried. Order of value: the training
-steps beside the planner's predictions (4, 5), the kernels never timed on a GPU (2, 3: Mosaic attention,
-grouped matmul, the FP8 GEMMs), the GEMM table, the kernel check (1).
+steps beside the planner's predictions (4, 5; after the first model's bf16 pair, that step again with
+``train.uninitialized_scan_outputs=false``: the default's losses and gain on a GPU), the kernels never timed
+on a GPU (2, 3: Mosaic attention, grouped matmul, the FP8 GEMMs), the GEMM table, the kernel check (1).
 
 Parts, each a subprocess with its own time limit (a part that fails or times out is recorded, and the rest
 still run):
@@ -60,6 +61,7 @@ MODELS = {
 ONE_GPU = ["parallel.data=1", "parallel.fsdp=1", "parallel.tensor=1", "model.dtype=bfloat16",
            "train.micro_batch_size=null", "model.attention_impl=cudnn"]
 TINY = {"tiny": []}
+ZEROED = "scan-outputs-zero-filled"
 
 
 def parse_args(argv=None):
@@ -134,6 +136,13 @@ def planned(args, platform: str, kind: str) -> list[tuple[str, object]]:
             out.append((f"plan/{model}/{fp8}",
                         lambda done, run=run: [py, "-m", "jaxtron.plan", "--json", "--gpu", gpu, "--num-gpus", "1",
                                                *measured_table(done), *run]))
+    if "none" in args.precisions:
+        # train.uninitialized_scan_outputs (on by default for GPU compiles) checked on the GPU: the first model's
+        # bf16 step again with the scan's outputs zero-filled, for the same losses and the step time it saves
+        model, overrides = next(iter(models.items()))
+        zeroed = (overrides + ([] if args.tiny else ONE_GPU)
+                  + ["model.fp8=none", "train.uninitialized_scan_outputs=false"])
+        out.insert(2, (ZEROED, gpu_only(ZEROED, [py, "scripts/bench_train.py", "--json", *steps, *zeroed])))
     kernels = [py, "scripts/bench_kernels.py", "--json"]
     out.append(("attention", gpu_only("attention", kernels + ["--seq", "4096", "8192", "--packed", "--attention-only",
                                                               "--impls", *args.attention_impls])))
@@ -216,6 +225,15 @@ def markdown(report: dict) -> str:
         if rows:
             cols = list(dict.fromkeys(k for r in rows for k in r))
             md += ["", f"## {name}", ""] + _table(rows, cols)
+    zeroed = (by.get(ZEROED) or {}).get("result")
+    first = next((p.get("result") for p in report["parts"] if p["part"].startswith("train/")
+                  and p["part"].endswith("/none")), None)
+    if zeroed and first:
+        md += ["", "## train.uninitialized_scan_outputs (the first model's bf16 step, on and off)", ""]
+        md += _table([{"scan outputs": label, "tokens/s/GPU": r.get("tokens_per_s_per_device"),
+                       "final loss": r.get("final_loss")} for label, r in (("uninitialized (default)", first),
+                                                                           ("zero-filled", zeroed))],
+                     ["scan outputs", "tokens/s/GPU", "final loss"])
     train = []
     for p in report["parts"]:
         if not p["part"].startswith("train/"):

@@ -77,7 +77,9 @@ def test_gpu_report_runs_each_models_bf16_row_first_then_each_fp8_recipe():
     names = [name for name, _ in gpu_report.planned(args, "gpu", "NVIDIA H100 80GB HBM3")]
     rows = [f"{kind}/{model}/{fp8}" for fp8 in ("none", "delayed") for model in gpu_report.MODELS
             for kind in ("train", "plan")]
-    assert names == rows + ["attention", "grouped-matmul", "fp8-gemm", "gemm-table", "kernel-check"]
+    # after the first model's bf16 pair, its step with the scan's outputs zero-filled (the default's check)
+    assert names == rows[:2] + [gpu_report.ZEROED] + rows[2:] + ["attention", "grouped-matmul", "fp8-gemm",
+                                                                 "gemm-table", "kernel-check"]
     tiny = gpu_report.parse_args(["--out", "unused", "--tiny", "--precisions", "none", "delayed"])
-    assert [name for name, _ in gpu_report.planned(tiny, "cpu", "cpu")][:4] == [
-        "train/tiny/none", "plan/tiny/none", "train/tiny/delayed", "plan/tiny/delayed"]
+    assert [name for name, _ in gpu_report.planned(tiny, "cpu", "cpu")][:5] == [
+        "train/tiny/none", "plan/tiny/none", gpu_report.ZEROED, "train/tiny/delayed", "plan/tiny/delayed"]
