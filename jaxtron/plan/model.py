@@ -129,6 +129,24 @@ def _act_bytes_per_token(m, t: int, sp: bool, remat: str, swiglu_kept: bool = Tr
             + n_moe * _act_bytes_per_token_layer(m, t, sp, remat, moe=True))
 
 
+def _w_stash_bytes_per_token(m, t: int) -> float:
+    """What a split backward's W reads from its B, per token, over all layers: each weight dot's bf16 input
+    activation and output cotangent (zbv's stash; jaxtron/parallel/zero_bubble_v.py), all counted split over
+    ``tensor``. MoE layers count their routed experts' top-k width and the shared experts' as the SwiGLU's. On
+    eight zbv layouts of Llama-3-70B (64 H100, save_dots, micro batch 1-2) this with the ring's slots came to
+    0.82-1.0x XLA's compiled peak, where the residuals alone at the table's peak (no stash) came to 0.42-0.69x."""
+    d, h, kv, hd = m.hidden_size, m.num_heads, m.num_kv_heads, head_dim(m)
+
+    def layer(f):
+        inputs = 2 * d + h * hd + f                  # Q/K/V's and gate/up's input, o's, down's
+        cotangents = (h + 2 * kv) * hd + d + 2 * f + d  # Q/K/V's outputs, o's, gate's and up's, down's
+        return 2 * (inputs + cotangents) / t
+
+    n_moe = moe_layer_count(m)
+    moe_f = m.moe.num_experts_per_token * m.moe.expert_intermediate_size + pmoe.shared_width(m) if n_moe else 0
+    return (m.num_layers - n_moe) * layer(m.intermediate_size) + n_moe * layer(moe_f)
+
+
 def _working_bytes(cfg: Config, layout: Layout, tokens: int, sp: bool) -> float:
     """One layer's forward + backward live set (the largest layer's)."""
     m, t = cfg.model, layout.tp
@@ -154,11 +172,13 @@ def closed_form_memory(cfg: Config, layout: Layout) -> dict:
     if layout.stages > 1 and cfg.parallel.pipeline_recompute:
         saved += 2 * layout.stages * tokens * m.hidden_size * 2
     elif layout.stages > 1 and cfg.parallel.pipeline_schedule == "zbv":
-        # its table's peak of chunk residuals (a chunk is half a stage), and the buffer ring of activation-sized
-        # inputs and output cotangents waiting for their F, B and W
-        table = zbv_table(layout.stages, layout.accumulation_steps)
-        saved *= max(table.peak_in_flight) / 2
-        saved += zbv_arrays(table).buf_slots * tokens * m.hidden_size * 2 / (t if sp else 1)
+        # its ring of (chunk, micro batch) slots as allocated (and the scratch slot), each holding a chunk's
+        # residuals (half a stage's) and the stash its W reads from its B, and the buffer ring of
+        # activation-sized inputs and output cotangents waiting for their F, B and W
+        arrays = zbv_arrays(zbv_table(layout.stages, layout.accumulation_steps))
+        stash = tokens * _w_stash_bytes_per_token(m, t) / (2 * layout.stages)
+        saved = (arrays.res_slots + 1) * (saved / 2 + stash)
+        saved += (arrays.buf_slots + 1) * tokens * m.hidden_size * 2 / (t if sp else 1)
     elif layout.stages > 1:
         in_flight = (2 * layout.stages - 1 if cfg.parallel.pipeline_schedule in ("1f1b", "zb_h1")
                      else layout.accumulation_steps)
