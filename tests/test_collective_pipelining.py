@@ -14,9 +14,22 @@ from jaxtron.train.xla_options import compiler_options
 from test_plan import SMALL, _cli, needs_xla_gpu
 
 
-def test_the_options_are_asked_for_only_on_gpu():
-    """On by default, but only for GPUs: a CPU compile gets no xla_gpu_* option."""
-    cfg = tiny_config("parallel.data=1", "parallel.fsdp=8")
+def test_a_latency_profile_must_be_a_pbtxt_or_pb_file(tmp_path):
+    """XLA picks the profile's parser by the suffix and skips any other file without a word: a config error,
+    as a missing file is."""
+    from jaxtron.config import ConfigError
+
+    (tmp_path / "p.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"train.latency_profile: .*p.txt': must end in .pbtxt"):
+        tiny_config(f"train.latency_profile={tmp_path / 'p.txt'}")
+    with pytest.raises(ConfigError, match=r"train.latency_profile: .*q.pbtxt': no such file"):
+        tiny_config(f"train.latency_profile={tmp_path / 'q.pbtxt'}")
+
+
+def test_the_options_are_asked_for_only_on_gpu(tmp_path):
+    """On by default, but only for GPUs: a CPU compile gets no xla_gpu_* option, a latency profile's neither."""
+    (tmp_path / "p.pbtxt").write_text("")
+    cfg = tiny_config("parallel.data=1", "parallel.fsdp=8", f"train.latency_profile={tmp_path / 'p.pbtxt'}")
     assert cfg.parallel.collective_pipelining
     assert compiler_options(cfg, Layout.build(cfg, jax.devices())) is None  # XLA:CPU
     assert compiler_options(cfg) is None  # no devices known
@@ -47,6 +60,21 @@ def test_the_pipeliner_is_asked_for_only_across_nodes_and_split_reduce_scatters_
                           f"train.uninitialized_scan_outputs={uninit}", *moe)
         assert backend == "gpu"
         assert compiler_options(cfg, Layout.build(cfg, devices)) == want, (gpus, stage, fsdp, split, uninit)
+
+
+@needs_xla_gpu
+def test_a_latency_profile_goes_to_every_gpu_compile(tmp_path):
+    """train.latency_profile: its absolute path as XLA:GPU's profile option, data parallel alone too."""
+    from jaxtron.plan import get_gpu, target_devices
+    from jaxtron.train.xla_options import LATENCY_PROFILE
+
+    profile = tmp_path / "p.pbtxt"
+    profile.write_text('costs { name: "fusion" cost_us: 1.0 }\n')
+    devices, _, _ = target_devices(get_gpu("h100"), 8)
+    cfg = tiny_config("parallel.data=8", "parallel.fsdp=1", "train.global_batch_size=8",
+                      f"train.latency_profile={profile}")
+    assert compiler_options(cfg, Layout.build(cfg, devices))[LATENCY_PROFILE] == str(profile.resolve())
+
 
 
 @needs_xla_gpu

@@ -228,6 +228,12 @@ def _validate_run(cfg: Config) -> None:
           f"must be >= 0, got {dd.process_id}")
     check(dd.initialization_timeout_s >= 1, "distributed.initialization_timeout_s", "must be >= 1")
     check(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
+    if t.latency_profile is not None:
+        # XLA picks the parser by the suffix and skips any other file without a word
+        check(t.latency_profile.endswith((".pbtxt", ".pb")), "train.latency_profile",
+              f"{t.latency_profile!r}: must end in .pbtxt (text) or .pb (binary ProfiledInstructionsProto)")
+        check(os.path.isfile(t.latency_profile), "train.latency_profile",
+              f"{t.latency_profile!r}: no such file (python -m jaxtron.plan --latency-profile-out FILE writes one)")
     for name in ("exit_after_steps", "exit_after_minutes"):
         v = getattr(t, name)
         check(v is None or v >= 0, f"train.{name}", f"must be >= 0 (0 or null: off), got {v}")

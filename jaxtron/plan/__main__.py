@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--search-fp8", nargs="+", default=None, choices=("none", "current", "delayed", "blockwise"),
                    metavar="RECIPE", help="--search: also try these model.fp8 recipes (FP8 changes the numerics, "
                                           "so by default every candidate keeps the config's)")
+    p.add_argument("--latency-profile-out", metavar="FILE.pbtxt",
+                   help="write the step model's costs of the compile to FILE as a latency profile for XLA:GPU's "
+                        "scheduler, compile again with it (train.latency_profile=FILE) and report both; train "
+                        "with train.latency_profile=FILE for that schedule")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--hlo", metavar="FILE", help="plan this optimized XLA:GPU module instead of compiling jaxtron's "
                                                  "train step (compiled.as_text(), .txt or .txt.gz; a peer's "
@@ -142,6 +146,12 @@ def _print_plan(r: dict) -> None:
     sm = r.get("step_model")
     if sm:
         _print_step_model(sm)
+    before = r.get("without_latency_profile")
+    if before:
+        print(f"  without the latency profile: step {_secs(before['step_time_s'])}, "
+              f"{before['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {_secs(before['exposed_comm_s'])} of "
+              f"collectives exposed (train with train.latency_profile={r['latency_profile_file']} for the schedule "
+              "above)")
     for n in r["notes"]:
         print(f"note: {n}")
 
@@ -245,6 +255,11 @@ def _bad_argument(args) -> str | None:
         v = getattr(args, name)
         if v is not None and not 0 < v <= 1:
             return f"--{name.replace('_', '-')}: must be in (0, 1], got {v}"
+    if args.latency_profile_out and (args.search or args.hlo):
+        return f"--latency-profile-out writes the profile of one compile: not with {'--search' if args.search else '--hlo'}"
+    if args.latency_profile_out and not args.latency_profile_out.endswith(".pbtxt"):
+        return (f"--latency-profile-out {args.latency_profile_out}: must end in .pbtxt (XLA reads a text profile "
+                "by that suffix)")
     if args.memory_json and not args.hlo:
         return "--memory-json goes with --hlo (a compile gives its own memory analysis)"
     if args.hlo and (args.search or args.backend != "auto"):
@@ -331,7 +346,8 @@ def main(argv=None) -> int:
                 out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,
                              log=log, moe_gemm=args.moe_gemm, fp8_recipes=args.search_fp8)
             else:
-                out = plan(cfg, gpu, args.num_gpus, args.backend, moe_gemm=args.moe_gemm)
+                out = plan(cfg, gpu, args.num_gpus, args.backend, moe_gemm=args.moe_gemm,
+                           latency_profile_out=args.latency_profile_out)
         note = _xla_warnings_note(err_out.dropped)
         if note:
             out["notes"] = out["notes"] + [note]

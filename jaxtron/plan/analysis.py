@@ -96,9 +96,11 @@ def analyze(cfg: Config, layout: Layout, gpu: GpuSpec, text: str, node_of: np.nd
     output is no dot, so the compiled backward recomputes it; both programs of a comparison are timed by what
     they run. Keys: moe, flops, collectives, dots,
     dots_moe_experts, kernels, async_overlap, roofline, step_model, ops (the collectives, for callers that keep
-    them) and notes."""
+    them), latency_costs (a function giving the step model's seconds per scheduled instruction, for a latency
+    profile: jaxtron/plan/latency_profile.py) and notes."""
     n = layout.num_devices
     ops = hlo.collectives(text, n)
+    collective_s = collective_seconds(cfg, layout, gpu, ops, node_of, moe_gemm)
     dots = hlo_counts.dot_flops(text, pmoe.EXPERT_MATMULS)
     moe = pm.moe_layer_count(cfg.model) > 0
     # the Pallas grouped GEMM's calls are no dots in the HLO: its FLOPs are the closed form's active ones
@@ -119,8 +121,8 @@ def analyze(cfg: Config, layout: Layout, gpu: GpuSpec, text: str, node_of: np.nd
         "async_overlap": {kind: {"pairs": len(ps), "exposed": sum(not p["compute_between"] for p in ps)}
                           for kind in ASYNC_KINDS for ps in [hlo_counts.async_overlap(text, kind)] if ps},
         "roofline": roof,
-        "step_model": steptime.predict(cfg, text, gpu, collective_seconds(cfg, layout, gpu, ops, node_of, moe_gemm),
-                                       n, roof["model_flops_per_step"], attention_impl),
+        "step_model": steptime.predict(cfg, text, gpu, collective_s, n, roof["model_flops_per_step"], attention_impl),
+        "latency_costs": (lambda: steptime.latency_costs(cfg, text, gpu, collective_s, n, attention_impl)),
         "ops": ops,
         "notes": notes,
     }

@@ -41,6 +41,7 @@ CALLEE_RE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false
 _LIST_CALLEE_RE = re.compile(r"\b(?:called_computations|branch_computations|calls)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+SCHEDULING_NAME_RE = re.compile(r'scheduling_name="([^"]*)"')
 DOT_LHS_RE = re.compile(r"dot\(\s*([a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+(?:#\d+)*)")
 
 

@@ -4,6 +4,7 @@ op-by-op step model's step time."""
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Optional, Sequence
 
@@ -16,11 +17,15 @@ from jaxtron.plan import moe as pmoe
 from jaxtron.plan import steptime
 from jaxtron.plan.analysis import analyze
 from jaxtron.plan.gpus import GpuSpec
+from jaxtron.plan.latency_profile import write_profile
 from jaxtron.plan.target import SORT_NOTE, compile_step, prepare_config, target_devices
 
 PIPELINE_NOTE = ("pipeline stages: the step model counts the executed schedule (its idle ticks run the slowest "
                  "stage's work; with parallel.pipeline_recompute the stages' forward runs again in the "
                  "backward); the roofline's closed form has neither")
+LATENCY_PROFILE_NOTE = ("latency profile: this compile's scheduler read the step model's costs of a first compile "
+                        "from {path} (train.latency_profile; without it: without_latency_profile); train with "
+                        "train.latency_profile={path} to compile the same schedule")
 USABLE_NOTE = ("usable memory assumes XLA_PYTHON_CLIENT_MEM_FRACTION={} on the cluster (JAX preallocates 0.75 of "
                "GPU memory by default)")
 # the analysis of the compiled module (jaxtron/plan/analysis.py), in the order plan() has always reported it
@@ -65,7 +70,8 @@ def layout_overrides(cfg: Config) -> str:
             f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} train.micro_batch_size={mbs} "
             f"model.remat={m.remat}" + ("" if p.collective_pipelining else " parallel.collective_pipelining=false")
             + ("" if p.split_reduce_scatters else " parallel.split_reduce_scatters=false")
-            + ("" if t.uninitialized_scan_outputs else " train.uninitialized_scan_outputs=false"))
+            + ("" if t.uninitialized_scan_outputs else " train.uninitialized_scan_outputs=false")
+            + (f" train.latency_profile={t.latency_profile}" if t.latency_profile else ""))
 
 
 def memory_report(mem, spec, gpu: GpuSpec, backend: str) -> dict:
@@ -102,11 +108,14 @@ def _attention_run(cfg: Config, compiled: Config) -> Optional[str]:
 
 
 def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices: Optional[Sequence] = None,
-         keep_hlo: bool = False, moe_gemm: str = "as_compiled") -> dict:
+         keep_hlo: bool = False, moe_gemm: str = "as_compiled", latency_profile_out: Optional[str] = None) -> dict:
     """Compile ``cfg`` for ``num_gpus`` GPUs of kind ``gpu`` and report memory, FLOPs, communication and the
     roofline prediction. All byte figures are per device. MoE: ``moe_gemm`` says how the roofline runs the
     routed experts (``as_compiled`` or ``grouped``, :data:`jaxtron.plan.analysis.MOE_GEMM_NOTES`); the report
-    has the other too."""
+    has the other too. ``latency_profile_out``: write the step model's costs of this compile there as a latency
+    profile for XLA:GPU's scheduler (jaxtron/plan/latency_profile.py), compile again with it
+    (``train.latency_profile``) and report that compile, with the first one's step under
+    ``without_latency_profile``."""
     check_moe_gemm(moe_gemm)
     notes: list[str] = []
     if devices is None:
@@ -147,4 +156,16 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     if keep_hlo:
         result["_hlo"] = text
         result["_ops"] = a["ops"]
+    if latency_profile_out:
+        if backend != "gpu":
+            raise ValueError("--latency-profile-out needs the XLA:GPU compile (its scheduler reads the profile)")
+        write_profile(a["latency_costs"](), latency_profile_out)
+        first = result["step_model"]
+        again = copy.deepcopy(cfg)
+        again.train.latency_profile = latency_profile_out
+        result = plan(again, gpu, num_gpus, backend, devices, keep_hlo, moe_gemm)
+        result["without_latency_profile"] = {k: first[k] for k in ("step_time_s", "tokens_per_s_per_gpu",
+                                                                   "exposed_comm_s", "comm_s", "memory_bound_s")}
+        result["latency_profile_file"] = latency_profile_out
+        result["notes"].append(LATENCY_PROFILE_NOTE.format(path=latency_profile_out))
     return result

@@ -131,6 +131,34 @@ class Schedule:
             return max(runs, key=lambda r: r["time"]) if runs else {"time": 0.0, "exposed": 0.0, "comm": 0.0}
         return self.run(callees.get("to_apply", callees.get("calls", "")))
 
+    def instruction_costs(self) -> dict:
+        """Seconds of one execution of each instruction of the module's scheduled computations (all but fusion
+        bodies), by the name XLA's scheduler knew it by (``scheduling_name`` in the optimized module's metadata,
+        else its name): each asynchronous collective's transfer time, keyed by its ``*-start``, and every other
+        instruction's step-model time. What XLA:GPU's profile-guided latency estimator reads
+        (jaxtron/plan/latency_profile.py)."""
+        fused = {callee for instrs in self.mod.computations.values() for _n, _s, opcode, rest in instrs
+                 if opcode in ("fusion", "fusion-start") for kind, callee in hlo.CALLEE_RE.findall(rest)
+                 if kind == "calls"}
+        costs: dict = {}
+        for comp, instrs in self.mod.computations.items():
+            if comp in fused:
+                continue
+            shapes = {n: sh for n, sh, _op, _r in instrs}
+            for name, shape, opcode, rest in instrs:
+                if opcode in _IGNORE or _DONE.match(opcode) or opcode in ("while", "conditional", "call"):
+                    continue
+                scheduled = hlo.SCHEDULING_NAME_RE.search(rest)
+                key = scheduled.group(1) if scheduled else name
+                if _START.match(opcode) or opcode in hlo.KINDS:
+                    secs = self._transfer(comp, name, opcode, rest)
+                    if opcode == "async-start":
+                        secs = max(secs, self._compute(shape, opcode, rest, shapes))
+                else:
+                    secs = self._compute(shape, opcode, rest, shapes)
+                costs[key] = secs
+        return costs
+
     def top_waits(self, n: int = 5) -> list[dict]:
         """The collectives the compute stream waits for longest per step: kind, what JAX op they serve, seconds
         (a branch's waits counted as if every branch ran)."""

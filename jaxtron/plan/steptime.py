@@ -396,6 +396,28 @@ def _named_waits(mod, waits: list[dict]) -> list[dict]:
     return waits
 
 
+def _timed(cfg: Config, text: str, gpu, num_devices: int, attention_impl: Optional[str]):
+    """What :func:`predict` and :func:`latency_costs` time a module with: (GEMM model, module, instruction
+    timer, ops' totals, attention kernel, attention seconds per step and per call)."""
+    model = gemm_model(gpu)
+    mod = hlo.parse_module(text)
+    walk = _Walk(mod, gpu, model)
+    ops = ops_time(walk, mod.entry)
+    impl = attention_impl or cfg.model.attention_impl
+    recompute = recomputes_attention(ops["attention_kernels"])
+    attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops, impl, recompute)
+    return model, mod, walk, ops, impl, attention_s, attention_per_call(cfg, attention_s, ops["attention_calls"],
+                                                                        recompute)
+
+
+def latency_costs(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int,
+                  attention_impl: Optional[str] = None) -> dict:
+    """The step model's seconds for each scheduled instruction of the module (``Schedule.instruction_costs``;
+    arguments as :func:`predict`'s)."""
+    _model, _mod, walk, _ops, _impl, _att, per_call = _timed(cfg, text, gpu, num_devices, attention_impl)
+    return Schedule(walk, collective_s, per_call).instruction_costs()
+
+
 def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, model_flops_full: float,
             attention_impl: Optional[str] = None) -> dict:
     """The step-time prediction (module doc); ``collective_s``: seconds per execution of each collective, keyed
@@ -405,14 +427,7 @@ def predict(cfg: Config, text: str, gpu, collective_s: dict, num_devices: int, m
     module's calls (:func:`recomputes_attention`: a flash kernel's output is no dot, so ``save_dots`` recomputes
     it, and a module compiled elsewhere runs a remat policy ``cfg`` may not name); ``model.remat`` decides only
     for a module without backward attention calls."""
-    model = gemm_model(gpu)
-    mod = hlo.parse_module(text)
-    walk = _Walk(mod, gpu, model)
-    ops = ops_time(walk, mod.entry)
-    impl = attention_impl or cfg.model.attention_impl
-    recompute = recomputes_attention(ops["attention_kernels"])
-    attention_s = attention_seconds(cfg, num_devices, gpu.attention_tflops, impl, recompute)
-    per_call = attention_per_call(cfg, attention_s, ops["attention_calls"], recompute)
+    model, mod, walk, ops, impl, attention_s, per_call = _timed(cfg, text, gpu, num_devices, attention_impl)
     schedule = Schedule(walk, collective_s, per_call)
     replay = schedule.run(mod.entry)
     # attention time that no call in the HLO carries (a kernel the replay does not recognise) runs serially

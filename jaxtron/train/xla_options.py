@@ -4,6 +4,7 @@ ahead-of-time compile and the planner (``python -m jaxtron.plan``) compile the s
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import jax
@@ -76,10 +77,18 @@ def xla_takes(**options) -> bool:
     return True
 
 
+# train.latency_profile: XLA:GPU's scheduler reads its instruction costs from this file (jaxtron/plan/
+# latency_profile.py). Planner, jax 0.10, with the step model's own costs, without -> with: Llama-3-70B fsdp 64 on
+# 64 H100 (micro batch 2, remat full) exposed comm 2.79 -> 0.94 s, 993 -> 1,124 tokens/s/GPU (jax 0.12: 1,028 ->
+# 1,128); Llama-3-8B fsdp 8 FP8 current 14,149 -> 14,255, bf16 (scan_unroll 2) 11,055 -> 11,053; Llama-2-70B
+# fsdp 64 (comm-bound) 707.9 -> 709.7. A file the user gives, not a default: its names are one compile's.
+LATENCY_PROFILE = "xla_gpu_pgle_profile_file_or_directory_path"
+
+
 def compiler_options(cfg: Config, layout: Optional[Layout] = None) -> Optional[dict]:
     """The options for ``cfg`` on ``layout``'s devices, or None for XLA's defaults. On GPUs: the scan's stacked
     outputs allocated uninitialized (``train.uninitialized_scan_outputs``, default on, where this XLA has the
-    pass). With the weights sharded over ``fsdp`` too: the collective pipeliner (``parallel.collective_pipelining``,
+    pass) and the scheduler's latency profile (``train.latency_profile``, when given). With the weights sharded over ``fsdp`` too: the collective pipeliner (``parallel.collective_pipelining``,
     default on) when the devices are of more than one node (process), and the reduce-scatters left uncombined
     (``parallel.split_reduce_scatters``, default on) for a dense model without pipeline stages. Inside one node the
     pipeliner's replay reads slower (Llama-3-8B, fsdp 8 on 8 H100s, jax 0.12: step 1.66 -> 1.79 s, memory-bound
@@ -93,6 +102,8 @@ def compiler_options(cfg: Config, layout: Optional[Layout] = None) -> Optional[d
     options = {}
     if cfg.train.uninitialized_scan_outputs and xla_takes(**UNINITIALIZED_SCAN_OUTPUTS):
         options.update(UNINITIALIZED_SCAN_OUTPUTS)
+    if cfg.train.latency_profile:
+        options[LATENCY_PROFILE] = os.path.abspath(cfg.train.latency_profile)
     if layout.fsdp == 1:
         return options or None
     nodes = len({getattr(d, "process_index", 0) for d in devices})
