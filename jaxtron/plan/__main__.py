@@ -256,7 +256,8 @@ def _bad_argument(args) -> str | None:
         if v is not None and not 0 < v <= 1:
             return f"--{name.replace('_', '-')}: must be in (0, 1], got {v}"
     if args.latency_profile_out and (args.search or args.hlo):
-        return f"--latency-profile-out writes the profile of one compile: not with {'--search' if args.search else '--hlo'}"
+        other = "--search" if args.search else "--hlo"
+        return f"--latency-profile-out writes the profile of one compile: not with {other}"
     if args.latency_profile_out and not args.latency_profile_out.endswith(".pbtxt"):
         return (f"--latency-profile-out {args.latency_profile_out}: must end in .pbtxt (XLA reads a text profile "
                 "by that suffix)")

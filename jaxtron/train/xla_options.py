@@ -62,7 +62,7 @@ SPLIT_REDUCE_SCATTERS = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 0}
 # batch, and XLA's CSE then merges the zero stacks of one shape (a SwiGLU's gate and up outputs), so that copy
 # insertion copies one of them too. Planner, jax 0.10, Llama-3-8B fsdp 8 on 8 H100 (save_dots_attention,
 # scan_unroll 2): memory-bound 1.87 -> 1.80 s, 10,985 -> 11,055 tokens/s/GPU (the step model still counts each
-# AllocateBuffer as a write of its buffer, which XLA:GPU does not launch a kernel for).
+# AllocateBuffer as a write of its whole buffer).
 UNINITIALIZED_SCAN_OUTPUTS = {"xla_gpu_enable_dus_accumulator_zero_init_elimination": True}
 
 
@@ -88,8 +88,9 @@ LATENCY_PROFILE = "xla_gpu_pgle_profile_file_or_directory_path"
 def compiler_options(cfg: Config, layout: Optional[Layout] = None) -> Optional[dict]:
     """The options for ``cfg`` on ``layout``'s devices, or None for XLA's defaults. On GPUs: the scan's stacked
     outputs allocated uninitialized (``train.uninitialized_scan_outputs``, default on, where this XLA has the
-    pass) and the scheduler's latency profile (``train.latency_profile``, when given). With the weights sharded over ``fsdp`` too: the collective pipeliner (``parallel.collective_pipelining``,
-    default on) when the devices are of more than one node (process), and the reduce-scatters left uncombined
+    pass) and the scheduler's latency profile (``train.latency_profile``, when given). With the weights sharded
+    over ``fsdp`` too: the collective pipeliner (``parallel.collective_pipelining``, default on) when the devices
+    are of more than one node (process), and the reduce-scatters left uncombined
     (``parallel.split_reduce_scatters``, default on) for a dense model without pipeline stages. Inside one node the
     pipeliner's replay reads slower (Llama-3-8B, fsdp 8 on 8 H100s, jax 0.12: step 1.66 -> 1.79 s, memory-bound
     traffic 665 -> 749 GB, exposed comm 0.08 -> 0.12 s: NVLink gathers hide under compute already, and the
