@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--search-fp8", nargs="+", default=None, choices=("none", "current", "delayed", "blockwise"),
                    metavar="RECIPE", help="--search: also try these model.fp8 recipes (FP8 changes the numerics, "
                                           "so by default every candidate keeps the config's)")
+    p.add_argument("--search-latency-profiles", metavar="DIR",
+                   help="--search: plan each of the top layouts again with a latency profile of its own compile "
+                        "(written to DIR, two compiles each) and rank it by the faster of the two")
     p.add_argument("--latency-profile-out", metavar="FILE.pbtxt",
                    help="write the step model's costs of the compile to FILE as a latency profile for XLA:GPU's "
                         "scheduler, compile again with it (train.latency_profile=FILE) and report both; train "
@@ -222,6 +225,10 @@ def _print_search(s: dict) -> None:
               f"(roofline {roof['step_time_s']:.3f} s)  peak {mem['peak'] / 2**30:.1f} GiB / "
               f"{mem['usable'] / 2**30:.1f} GiB  ({r['compiler']})")
         print(f"   {r['overrides']}")
+        before = r.get("without_latency_profile")
+        if before:
+            print(f"   (with its latency profile; without: step {before['step_time_s']:.3f} s, "
+                  f"{before['tokens_per_s_per_gpu']:.0f} tokens/s/GPU)")
     for n in s["notes"]:
         print(f"note: {n}")
 
@@ -258,6 +265,8 @@ def _bad_argument(args) -> str | None:
     if args.latency_profile_out and (args.search or args.hlo):
         other = "--search" if args.search else "--hlo"
         return f"--latency-profile-out writes the profile of one compile: not with {other}"
+    if args.search_latency_profiles and not args.search:
+        return "--search-latency-profiles goes with --search"
     if args.latency_profile_out and not args.latency_profile_out.endswith(".pbtxt"):
         return (f"--latency-profile-out {args.latency_profile_out}: must end in .pbtxt (XLA reads a text profile "
                 "by that suffix)")
@@ -345,7 +354,8 @@ def main(argv=None) -> int:
             if args.search:
                 log = None if args.json else err_out.say  # progress at once, past the filter
                 out = search(cfg, gpu, args.num_gpus, args.backend, max_compiles=args.max_compiles, top=args.top,
-                             log=log, moe_gemm=args.moe_gemm, fp8_recipes=args.search_fp8)
+                             log=log, moe_gemm=args.moe_gemm, fp8_recipes=args.search_fp8,
+                             latency_profiles=args.search_latency_profiles)
             else:
                 out = plan(cfg, gpu, args.num_gpus, args.backend, moe_gemm=args.moe_gemm,
                            latency_profile_out=args.latency_profile_out)

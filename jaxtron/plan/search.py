@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import os
 import time
 from typing import Optional, Sequence
 
@@ -118,10 +119,14 @@ def to_compile(scored: list, max_compiles: int) -> list:
 
 def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devices=None, max_compiles: int = 12,
            top: int = 5, margin: float = 1.15, log=None, moe_gemm: str = "as_compiled",
-           fp8_recipes: Optional[Sequence[str]] = None) -> dict:
+           fp8_recipes: Optional[Sequence[str]] = None, latency_profiles: Optional[str] = None) -> dict:
     """Try layouts: closed-form memory prunes (estimate > ``margin`` x usable memory), a closed-form step time
     orders the rest, and ``max_compiles`` are compiled (:func:`to_compile`); those whose compiled peak does
-    not fit are dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`)."""
+    not fit are dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`).
+    ``latency_profiles``: a directory; each of the ``top`` layouts is planned again with a latency profile of
+    its own compile written there (:func:`jaxtron.plan.report.plan`'s ``latency_profile_out``, two compiles
+    each) and takes that plan where it fits and predicts a shorter step (its overrides then name the profile);
+    the ranking is redone."""
     check_moe_gemm(moe_gemm)
     t0 = time.perf_counter()
     if devices is None:
@@ -142,7 +147,7 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
             continue
         scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus, moe_gemm), c))
     scored.sort(key=lambda x: x[0])
-    results, rejected = [], []
+    results, rejected, configs = [], [], {}
     compiling = to_compile(scored, max_compiles)
     for c in compiling:
         try:
@@ -154,7 +159,22 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
             log(f"  {r['overrides']}: peak {r['memory']['peak'] / 2**30:.1f} GiB, "
                 f"step {r['step_model']['step_time_s']:.3f} s (step model), compile {r['compile_s']:.1f} s")
         (results if r["memory"]["fits"] else rejected).append(r)
+        configs[id(r)] = c
     results.sort(key=lambda r: r["step_model"]["step_time_s"])
+    if latency_profiles:
+        os.makedirs(latency_profiles, exist_ok=True)
+        for i, r in enumerate(results[:top]):
+            path = os.path.join(latency_profiles, f"layout{i + 1}.pbtxt")
+            again = plan(configs[id(r)], gpu, num_gpus, backend, devices, moe_gemm=moe_gemm, latency_profile_out=path)
+            better = again["memory"]["fits"] and again["step_model"]["step_time_s"] < r["step_model"]["step_time_s"]
+            if log:
+                log(f"  {r['overrides']}: with a latency profile step {again['step_model']['step_time_s']:.3f} s"
+                    + (", taken" if better else ", not taken"))
+            if better:
+                results[i] = again
+            else:
+                os.remove(path)
+        results.sort(key=lambda r: r["step_model"]["step_time_s"])
     out = {"candidates": len(cands), "pruned_by_estimate": pruned, "compiled": len(compiling),
            "not_fitting_or_failed": [x if "error" in x else {"overrides": x["overrides"],
                                                              "peak": x["memory"]["peak"]} for x in rejected],
