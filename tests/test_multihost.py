@@ -243,3 +243,17 @@ def test_bad_distributed_settings(monkeypatch, capsys, env, field):
         monkeypatch.setenv(k, v)
     assert main(TINY) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {field}")
+
+
+def test_gloo_banners_and_their_stray_newlines_are_dropped_from_stdout():
+    """Two communicators' banners interleaved mid-line leave one line with both and the second newline alone
+    (seen as a blank first line of a run's stdout); both go, the run's own lines, blank ones included, stay,
+    split over reads anywhere."""
+    from jaxtron.parallel.distributed import GlooBannerFilter
+
+    banner = b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    stream = banner[:30] + banner + banner[30:] + b"\n\nstopped by SIGTERM at step 3\n\nresumes\n" + banner + b"\n"
+    for cut in (1, 7, 64, len(stream)):
+        f = GlooBannerFilter()
+        out = b"".join(f.feed(stream[i:i + cut]) for i in range(0, len(stream), cut)) + f.end()
+        assert out == b"stopped by SIGTERM at step 3\n\nresumes\n", (cut, out)

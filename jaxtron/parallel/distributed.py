@@ -104,6 +104,39 @@ def initialize(cfg: Config) -> int:
 _STDOUT_DRAIN = None
 
 
+class GlooBannerFilter:
+    """Gloo's ``[Gloo] Rank 0 is connected to ...`` banners taken out of a byte stream, line by line: ``feed``
+    returns the complete lines to pass on, ``end`` what is left. Gloo writes a banner in pieces, so two
+    communicators' banners can interleave mid-line: one line then holds both texts, or a tail (" is connected to
+    3 peer ranks. Expected number of connected peer ranks is : 3") sits on a line of its own, and the second
+    newline arrives alone. Blank lines right after a banner are such newlines and go too."""
+
+    def __init__(self):
+        self.rest = b""
+        self.after_banner = False
+
+    @staticmethod
+    def banner(line: bytes) -> bool:
+        return b"[Gloo] " in line or b"connected peer ranks" in line
+
+    def _keep(self, line: bytes) -> bool:
+        if self.banner(line):
+            self.after_banner = True
+            return False
+        if self.after_banner and not line.strip():
+            return False
+        self.after_banner = False
+        return True
+
+    def feed(self, chunk: bytes) -> bytes:
+        *lines, self.rest = (self.rest + chunk).split(b"\n")
+        return b"".join(line + b"\n" for line in lines if self._keep(line))
+
+    def end(self) -> bytes:
+        rest, self.rest = self.rest, b""
+        return rest if rest and self._keep(rest) else b""
+
+
 def _drop_gloo_banners() -> None:
     """Gloo (XLA:CPU's collectives) prints ``[Gloo] Rank 0 is connected to 1 peer ranks ...`` from C++ on stdout
     at every new communicator, interleaved between the processes and its threads. File descriptor 1 goes through
@@ -122,21 +155,15 @@ def _drop_gloo_banners() -> None:
     os.dup2(write_end, 1)
     os.close(write_end)
 
-    def banner(line: bytes) -> bool:
-        # Gloo writes a banner in pieces, so two communicators' banners can interleave mid-line and leave a
-        # tail (" is connected to 3 peer ranks. Expected number of connected peer ranks is : 3") on a line
-        # of its own
-        return b"[Gloo] " in line or b"connected peer ranks" in line
-
     def pump() -> None:
-        rest = b""
+        lines = GlooBannerFilter()
         while chunk := os.read(read_end, 65536):
-            *lines, rest = (rest + chunk).split(b"\n")
-            kept = b"".join(line + b"\n" for line in lines if not banner(line))
+            kept = lines.feed(chunk)
             if kept:
                 os.write(real, kept)
-        if rest and not banner(rest):
-            os.write(real, rest)
+        kept = lines.end()
+        if kept:
+            os.write(real, kept)
         os.close(read_end)
 
     thread = threading.Thread(target=pump, name="jaxtron-stdout-filter", daemon=True)
