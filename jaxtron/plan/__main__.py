@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                                           "so by default every candidate keeps the config's)")
     p.add_argument("--search-latency-profiles", metavar="DIR",
                    help="--search: plan each of the top layouts again with a latency profile of its own compile "
-                        "(written to DIR, two compiles each) and rank it by the faster of the two")
+                        "(written to DIR, one more compile each) and rank it by the faster of the two")
     p.add_argument("--latency-profile-out", metavar="FILE.pbtxt",
                    help="write the step model's costs of the compile to FILE as a latency profile for XLA:GPU's "
                         "scheduler, compile again with it (train.latency_profile=FILE) and report both; train "

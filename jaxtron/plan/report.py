@@ -115,7 +115,8 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     has the other too. ``latency_profile_out``: write the step model's costs of this compile there as a latency
     profile for XLA:GPU's scheduler (jaxtron/plan/latency_profile.py), compile again with it
     (``train.latency_profile``) and report that compile, with the first one's step under
-    ``without_latency_profile``."""
+    ``without_latency_profile``. ``keep_hlo``: also the module's text, collectives and step-model costs per
+    instruction (``_hlo``, ``_ops``; ``_latency_costs``, a function), for a caller that goes on with them."""
     check_moe_gemm(moe_gemm)
     notes: list[str] = []
     if devices is None:
@@ -156,16 +157,27 @@ def plan(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", device
     if keep_hlo:
         result["_hlo"] = text
         result["_ops"] = a["ops"]
+        result["_latency_costs"] = a["latency_costs"]
     if latency_profile_out:
-        if backend != "gpu":
-            raise ValueError("--latency-profile-out needs the XLA:GPU compile (its scheduler reads the profile)")
-        write_profile(a["latency_costs"](), latency_profile_out)
-        first = result["step_model"]
-        again = copy.deepcopy(cfg)
-        again.train.latency_profile = latency_profile_out
-        result = plan(again, gpu, num_gpus, backend, devices, keep_hlo, moe_gemm)
-        result["without_latency_profile"] = {k: first[k] for k in ("step_time_s", "tokens_per_s_per_gpu",
-                                                                   "exposed_comm_s", "comm_s", "memory_bound_s")}
-        result["latency_profile_file"] = latency_profile_out
-        result["notes"].append(LATENCY_PROFILE_NOTE.format(path=latency_profile_out))
+        result = plan_with_latency_profile(cfg, result["step_model"], a["latency_costs"](), latency_profile_out, gpu,
+                                           num_gpus, backend, devices, keep_hlo, moe_gemm)
+    return result
+
+
+def plan_with_latency_profile(cfg: Config, first: dict, costs: dict, path: str, gpu: GpuSpec, num_gpus: int,
+                              backend: str, devices: Optional[Sequence] = None, keep_hlo: bool = False,
+                              moe_gemm: str = "as_compiled") -> dict:
+    """:func:`plan` of ``cfg`` compiled with ``costs`` (a compile's step-model seconds per instruction, whose
+    ``step_model`` was ``first``) written to ``path`` as its latency profile (``train.latency_profile``);
+    ``first``'s step under ``without_latency_profile``."""
+    if backend != "gpu":
+        raise ValueError("--latency-profile-out needs the XLA:GPU compile (its scheduler reads the profile)")
+    write_profile(costs, path)
+    again = copy.deepcopy(cfg)
+    again.train.latency_profile = path
+    result = plan(again, gpu, num_gpus, backend, devices, keep_hlo, moe_gemm)
+    result["without_latency_profile"] = {k: first[k] for k in ("step_time_s", "tokens_per_s_per_gpu",
+                                                               "exposed_comm_s", "comm_s", "memory_bound_s")}
+    result["latency_profile_file"] = path
+    result["notes"].append(LATENCY_PROFILE_NOTE.format(path=path))
     return result

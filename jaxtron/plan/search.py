@@ -14,7 +14,7 @@ from jaxtron import preflight
 from jaxtron.config import Config, ConfigError, validate
 from jaxtron.parallel.axes import DATA, EXPERT, FSDP, data_parallel_size
 from jaxtron.parallel.layout import Layout
-from jaxtron.plan.report import PIPELINE_NOTE, check_moe_gemm, layout_overrides, plan
+from jaxtron.plan.report import PIPELINE_NOTE, check_moe_gemm, layout_overrides, plan, plan_with_latency_profile
 from jaxtron.plan.target import prepare_config, target_devices
 from jaxtron.plan import model as pm
 from jaxtron.plan import moe as pmoe
@@ -124,7 +124,7 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
     orders the rest, and ``max_compiles`` are compiled (:func:`to_compile`); those whose compiled peak does
     not fit are dropped, the others ranked by the step model's step time (:mod:`jaxtron.plan.steptime`).
     ``latency_profiles``: a directory; each of the ``top`` layouts is planned again with a latency profile of
-    its own compile written there (:func:`jaxtron.plan.report.plan`'s ``latency_profile_out``, two compiles
+    its own compile written there (:func:`jaxtron.plan.report.plan_with_latency_profile`, one more compile
     each) and takes that plan where it fits and predicts a shorter step (its overrides then name the profile);
     the ranking is redone."""
     check_moe_gemm(moe_gemm)
@@ -147,25 +147,29 @@ def search(cfg: Config, gpu: GpuSpec, num_gpus: int, backend: str = "auto", devi
             continue
         scored.append((pm.closed_form_step_s(cc, layout, gpu, num_gpus, moe_gemm), c))
     scored.sort(key=lambda x: x[0])
-    results, rejected, configs = [], [], {}
+    results, rejected, later = [], [], {}
     compiling = to_compile(scored, max_compiles)
     for c in compiling:
         try:
-            r = plan(c, gpu, num_gpus, backend, devices, moe_gemm=moe_gemm)
+            r = plan(c, gpu, num_gpus, backend, devices, keep_hlo=bool(latency_profiles), moe_gemm=moe_gemm)
         except Exception as err:  # noqa: BLE001 - a layout that does not compile is reported, not fatal
             rejected.append({"overrides": layout_overrides(c), "error": str(err).splitlines()[0][:300]})
             continue
         if log:
             log(f"  {r['overrides']}: peak {r['memory']['peak'] / 2**30:.1f} GiB, "
                 f"step {r['step_model']['step_time_s']:.3f} s (step model), compile {r['compile_s']:.1f} s")
+        if latency_profiles:  # the config and the compile's costs, for its replan with a profile below
+            later[id(r)] = (c, r.pop("_latency_costs"))
+            del r["_hlo"], r["_ops"]
         (results if r["memory"]["fits"] else rejected).append(r)
-        configs[id(r)] = c
     results.sort(key=lambda r: r["step_model"]["step_time_s"])
     if latency_profiles:
         os.makedirs(latency_profiles, exist_ok=True)
         for i, r in enumerate(results[:top]):
             path = os.path.join(latency_profiles, f"layout{i + 1}.pbtxt")
-            again = plan(configs[id(r)], gpu, num_gpus, backend, devices, moe_gemm=moe_gemm, latency_profile_out=path)
+            c, costs = later[id(r)]
+            again = plan_with_latency_profile(c, r["step_model"], costs(), path, gpu, num_gpus, backend, devices,
+                                              moe_gemm=moe_gemm)
             better = again["memory"]["fits"] and again["step_model"]["step_time_s"] < r["step_model"]["step_time_s"]
             if log:
                 log(f"  {r['overrides']}: with a latency profile step {again['step_model']['step_time_s']:.3f} s"
